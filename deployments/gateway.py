@@ -1,0 +1,227 @@
+"""Gateway: the HTTP ingress. OpenAI endpoints, input checks, model resolution, streaming, errors.
+
+What the gateway decides itself, before any engine sees the request: body size (413), encoding and
+JSON syntax (400), the `model` field (400 missing, 404 unknown), and whether the model serves this
+endpoint (400). Everything about the request's content (messages, sampling parameters, context
+length) is checked by vLLM's own request models inside the replica, which answers OpenAI-shaped errors
+with their status. Every error leaves here as `{"error": {...}}`; nothing leaks a pydantic dump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shunter.config import ModelConfig, ShunterConfig
+from shunter.errors import error_body
+
+log = logging.getLogger("ray.serve")
+
+# Which model task serves which endpoint.
+_ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed"}
+_RETRY_AFTER_S = "5"
+
+app = FastAPI(title="Shunter", description="OpenAI-compatible multi-model gateway", docs_url=None, redoc_url=None)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | int | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param=param, code=code), status_code=status, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _error(400, "invalid request")
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error in gateway for %s %s", request.method, request.url.path)
+    return _error(500, "internal error in the gateway; see the server log")
+
+
+class BadRequest(Exception):
+    """A client error found while reading the request; carries its ready response."""
+
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+@serve.deployment
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, config: dict[str, Any], model_servers: dict[str, DeploymentHandle]):
+        self.config = ShunterConfig.model_validate(config)
+        self.servers = model_servers
+        self.created = int(time.time())
+
+    # ---- probes ---------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        """The gateway process is alive. Says nothing about the engines: see /ready."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """200 when every model has a replica that has answered a real request; 503 otherwise."""
+        timeout = self.config.gateway.ready_timeout_s
+
+        async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
+            try:
+                info = await asyncio.wait_for(self.servers[model.name].ready.remote(), timeout)
+                return model.name, info, None
+            except asyncio.TimeoutError:
+                return model.name, None, f"no replica answered within {timeout}s"
+            except Exception as exc:  # noqa: BLE001 - any failure means "not ready", with the reason shown
+                return model.name, None, f"{type(exc).__name__}: {exc}"[:300]
+
+        results = await asyncio.gather(*(probe(m) for m in self.config.models))
+        models = {name: ({"ready": True, **info} if info else {"ready": False, "reason": why})
+                  for name, info, why in results}
+        ok = all(m["ready"] for m in models.values())
+        headers = None if ok else {"Retry-After": _RETRY_AFTER_S}
+        return JSONResponse({"ready": ok, "models": models}, status_code=200 if ok else 503, headers=headers)
+
+    # ---- OpenAI API -----------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def list_models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m.name, "object": "model", "created": self.created, "owned_by": "shunter",
+                 "aliases": m.aliases, "task": m.task}
+                for m in self.config.models
+            ],
+        }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(self, model_id: str) -> Response:
+        model = self.config.find_model(model_id)
+        if model is None:
+            return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse({"id": model.name, "object": "model", "created": self.created,
+                             "owned_by": "shunter", "aliases": model.aliases, "task": model.task})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._forward(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._forward(request, "completion")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._forward(request, "embedding")
+
+    # ---- forwarding -----------------------------------------------------------------------------
+
+    async def _forward(self, request: Request, endpoint: str) -> Response:
+        try:
+            body = await self._read_json(request)
+            model = self._resolve_model(body, endpoint)
+        except BadRequest as bad:
+            return bad.response
+        body["model"] = model.name  # the engine knows the canonical name only
+        stream = self.servers[model.name].options(stream=True).handle.remote(endpoint, body)
+        try:
+            head = await stream.__anext__()
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - replica gone, engine dead: the client may retry
+            stream.cancel()
+            log.warning("model %s: request failed before its first byte: %r", model.name, exc)
+            return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
+                          code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
+        if not head["stream"]:
+            return JSONResponse(head["body"], status_code=head["status"])
+        return StreamingResponse(self._relay(stream, model.name), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _relay(self, stream: Any, model_name: str) -> AsyncIterator[str]:
+        """SSE chunks from the replica to the client. A client that goes away cancels the replica's work."""
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+            finished = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
+            log.warning("model %s: stream broke mid-way: %r", model_name, exc)
+            err = error_body(f"the stream from model {model_name!r} broke: {type(exc).__name__}", 503,
+                             code="stream_interrupted")
+            yield f"data: {json.dumps(err)}\n\n"
+            finished = True
+        finally:
+            if not finished:  # client disconnected or we were cancelled: abort the engine request
+                stream.cancel()
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.gateway.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(_error(413, f"request body is {declared} bytes; the limit is {limit}",
+                                    code="request_too_large"))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(_error(413, f"request body exceeds the limit of {limit} bytes",
+                                        code="request_too_large"))
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(_error(400, f"request body is not valid UTF-8 (byte {exc.start})",
+                                    code="invalid_encoding")) from None
+        if not text.strip():
+            raise BadRequest(_error(400, "request body is empty; send a JSON object", code="invalid_json"))
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadRequest(_error(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                         f"column {exc.colno}", code="invalid_json")) from None
+        if not isinstance(body, dict):
+            raise BadRequest(_error(400, f"request body must be a JSON object, got {type(body).__name__}",
+                                    code="invalid_json"))
+        return body
+
+    def _resolve_model(self, body: dict[str, Any], endpoint: str) -> ModelConfig:
+        name = body.get("model")
+        if name is None:
+            raise BadRequest(_error(400, "missing required field 'model'", param="model", code="missing_field"))
+        if not isinstance(name, str):
+            raise BadRequest(_error(400, f"'model' must be a string, got {type(name).__name__}", param="model",
+                                    code="invalid_type"))
+        model = self.config.find_model(name)
+        if model is None:
+            known = ", ".join(m.name for m in self.config.models)
+            raise BadRequest(_error(404, f"model {name!r} does not exist; served models: {known}", param="model",
+                                    code="model_not_found"))
+        if _ENDPOINT_TASK[endpoint] != model.task:
+            what = "an embedding model; use /v1/embeddings" if model.task == "embed" else \
+                "a generative model; use /v1/chat/completions or /v1/completions"
+            raise BadRequest(_error(400, f"model {model.name!r} is {what}", param="model",
+                                    code="model_not_supported"))
+        return model

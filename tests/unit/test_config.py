@@ -1,0 +1,159 @@
+"""Config validation: bad files fail before anything starts, with the field path and the fix."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shunter.cli import main as cli_main
+from shunter.config import ConfigError, ShunterConfig, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(**model_overrides):
+    model = {"name": "m", "source": "builtin:smollm2-135m-instruct", **model_overrides}
+    return {"models": [model]}
+
+
+def _error(args) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(args)
+    return str(info.value)
+
+
+def test_minimal_config_gets_working_defaults():
+    cfg = parse_config(_args())
+    model = cfg.models[0]
+    assert model.task == "generate" and model.replicas == 1 and model.accelerator == "auto"
+    assert model.engine.enable_prefix_caching is True
+    assert model.engine.cpu_kv_cache_gib >= 1
+    assert cfg.gateway.max_body_bytes == 1_048_576
+
+
+def test_unknown_key_names_path_and_suggests_the_fix():
+    msg = _error(_args(engine={"max_num_seq": 8}))
+    assert "models[0].engine.max_num_seq: unknown key" in msg
+    assert "did you mean 'max_num_seqs'?" in msg
+
+
+def test_unknown_top_level_key_lists_allowed_keys():
+    msg = _error({"models": _args()["models"], "zzz": 1})
+    assert "zzz: unknown key" in msg and "models" in msg
+
+
+def test_bad_value_names_path_and_value():
+    msg = _error(_args(engine={"max_num_seqs": 0}))
+    assert "models[0].engine.max_num_seqs" in msg and "greater than 0" in msg and "(got 0)" in msg
+
+
+def test_bad_literal_lists_choices():
+    msg = _error(_args(task="chat"))
+    assert "models[0].task" in msg and "'generate'" in msg and "'embed'" in msg
+
+
+def test_missing_source_is_reported():
+    msg = _error({"models": [{"name": "m"}]})
+    assert "models[0].source: required field is missing" in msg
+
+
+def test_no_models_is_an_error():
+    assert "models" in _error({"models": []})
+    assert "mapping" in _error(None)
+
+
+def test_unknown_builtin_lists_known_ones():
+    msg = _error(_args(source="builtin:gpt-5"))
+    assert "builtin:smollm2-135m-instruct" in msg and "builtin:all-minilm-l6-v2" in msg
+
+
+def test_builtin_task_mismatch_says_which_task():
+    msg = _error(_args(source="builtin:all-minilm-l6-v2"))
+    assert "set task: embed" in msg
+
+
+def test_duplicate_names_and_aliases_are_errors():
+    args = {"models": [
+        {"name": "a", "source": "builtin:smollm2-135m-instruct", "aliases": ["x"]},
+        {"name": "b", "source": "builtin:all-minilm-l6-v2", "task": "embed", "aliases": ["x"]},
+    ]}
+    assert "'x' is used by both 'a' and 'b'" in _error(args)
+
+
+def test_extra_engine_args_are_checked_against_vllm():
+    cfg = parse_config(_args(engine={"extra_engine_args": {"max_num_batched_tokens": 4096}}))
+    assert cfg.models[0].engine.extra_engine_args == {"max_num_batched_tokens": 4096}
+    msg = _error(_args(engine={"extra_engine_args": {"max_num_batched_token": 1}}))
+    assert "not a vLLM engine argument" in msg and "max_num_batched_tokens" in msg
+    msg = _error(_args(engine={"extra_engine_args": {"tensor_parallel_size": 2}}))
+    assert "engine.tensor_parallel_size instead" in msg
+
+
+def test_quantization_is_checked_against_vllm():
+    assert "unknown quantization" in _error(_args(engine={"quantization": "int3-magic"}))
+    assert parse_config(_args(engine={"quantization": "fp8"})).models[0].engine.quantization == "fp8"
+
+
+def test_fractions_and_counts_are_bounded():
+    assert "gpu_memory_utilization" in _error(_args(engine={"gpu_memory_utilization": 1.5}))
+    assert "cpu_cores_per_replica" in _error(_args(cpu_cores_per_replica=0))
+    assert "replicas" in _error(_args(replicas=0))
+
+
+def test_find_model_by_name_and_alias():
+    cfg = parse_config(_args(aliases=["small"]))
+    assert cfg.find_model("m") is cfg.find_model("small") is cfg.models[0]
+    assert cfg.find_model("nope") is None
+
+
+def test_every_field_is_documented():
+    """The config is the product's interface: every field says what it is for."""
+    from pydantic import BaseModel
+
+    seen: set[type] = set()
+
+    def walk(cls: type[BaseModel]) -> None:
+        if cls in seen:
+            return
+        seen.add(cls)
+        for name, field in cls.model_fields.items():
+            assert field.description, f"{cls.__name__}.{name} has no description"
+            for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    walk(arg)
+
+    walk(ShunterConfig)
+    assert len(seen) >= 4
+
+
+def test_cli_config_check_accepts_the_shipped_local_config(capsys):
+    assert cli_main(["config", "check", str(ROOT / "configs" / "local.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out and "smollm2-135m-instruct" in out and "cpu_kv_cache_gib" in out
+
+
+def test_cli_config_check_rejects_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent("""
+        applications:
+          - name: x
+            import_path: deployments.app:build_app
+            args:
+              models:
+                - name: m
+                  source: builtin:smollm2-135m-instruct
+                  engine: {dtype: float8}
+    """))
+    with pytest.raises(SystemExit) as info:
+        cli_main(["config", "check", str(bad)])
+    assert "args" in str(info.value) and "models[0].engine.dtype" in str(info.value)
+
+
+def test_cli_config_check_rejects_a_non_serve_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: []\n")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["config", "check", str(bad)])
+    assert "applications" in str(info.value)
