@@ -141,14 +141,17 @@ class Gateway:
         except BadRequest as bad:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
-        stream = self.servers[model.name].options(stream=True).handle.remote(endpoint, body)
+        stream = None
         try:
+            stream = self.servers[model.name].options(stream=True).handle.remote(endpoint, body)
             head = await stream.__anext__()
         except asyncio.CancelledError:
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             raise
-        except Exception as exc:  # noqa: BLE001 - replica gone, engine dead: the client may retry
-            stream.cancel()
+        except Exception as exc:  # noqa: BLE001 - no replica, replica gone, engine dead: the client may retry
+            if stream is not None:
+                stream.cancel()
             log.warning("model %s: request failed before its first byte: %r", model.name, exc)
             return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
                           code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})

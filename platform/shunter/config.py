@@ -58,8 +58,10 @@ class EngineConfig(StrictModel):
         default="bfloat16", description="Weight and activation dtype. bfloat16 is the fast path on CPU."
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Most sequences the engine batches at once.")
-    enable_prefix_caching: bool = Field(
-        default=True, description="Reuse KV blocks of shared prompt prefixes (automatic prefix caching)."
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description="Reuse KV blocks of shared prompt prefixes. null = on for generate models, off for "
+        "embed models (encoder-only models such as MiniLM have no cacheable KV).",
     )
     cpu_kv_cache_gib: int = Field(
         default=1,

@@ -20,12 +20,13 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from shunter.config import EngineConfig
-from shunter.errors import error_body, validation_error_body
+from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ class EngineSpec:
             "max_model_len": e.max_model_len,
             "dtype": e.dtype,
             "max_num_seqs": e.max_num_seqs,
-            "enable_prefix_caching": e.enable_prefix_caching,
+            "enable_prefix_caching": (
+                e.enable_prefix_caching if e.enable_prefix_caching is not None else self.task == "generate"
+            ),
             "quantization": e.quantization,
             "tensor_parallel_size": e.tensor_parallel_size,
             "pipeline_parallel_size": e.pipeline_parallel_size,
@@ -74,6 +77,12 @@ class EngineReply:
     status: int
     body: dict[str, Any] | None = None
     stream: AsyncIterator[str] | None = None
+
+
+@cache
+def _adapter(request_type: Any) -> TypeAdapter:
+    """Validator for a vLLM request type; some (EmbeddingRequest) are unions, not models."""
+    return TypeAdapter(request_type)
 
 
 def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
@@ -156,7 +165,7 @@ class VLLMEngine:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         try:
-            request = request_cls.model_validate(body)
+            request = _adapter(request_cls).validate_python(body)
         except ValidationError as exc:
             return EngineReply(400, validation_error_body(exc))
         try:
@@ -171,7 +180,10 @@ class VLLMEngine:
 
         if isinstance(result, ErrorResponse):
             status = int(result.error.code)
-            return EngineReply(status, result.model_dump())
+            body = result.model_dump()
+            # vLLM names exception classes ("BadRequestError"); clients match on OpenAI's type strings.
+            body["error"]["type"] = error_type(status)
+            return EngineReply(status, body)
         if isinstance(result, Response):  # the pooling handlers answer with a starlette response
             if result.media_type != "application/json":
                 return EngineReply(400, error_body("encoding_format must be 'float' or 'base64'", 400))

@@ -27,11 +27,15 @@ _TYPES = {
 }
 
 
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "type": error_type(status),
             "param": param,
             "code": code if code is not None else status,
         }

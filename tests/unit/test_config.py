@@ -28,7 +28,7 @@ def test_minimal_config_gets_working_defaults():
     cfg = parse_config(_args())
     model = cfg.models[0]
     assert model.task == "generate" and model.replicas == 1 and model.accelerator == "auto"
-    assert model.engine.enable_prefix_caching is True
+    assert model.engine.enable_prefix_caching is None  # auto: on for generate, off for embed
     assert model.engine.cpu_kv_cache_gib >= 1
     assert cfg.gateway.max_body_bytes == 1_048_576
 

@@ -1,0 +1,77 @@
+"""Helpers for the e2e tests: the shipped config, free ports, readiness polling, a live app's clients."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
+CHAT_MODEL = "smollm2-135m-instruct"
+EMBED_MODEL = "all-minilm-l6-v2"
+APP_NAME = "shunter"
+READY_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_app_args() -> dict[str, Any]:
+    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+    (app,) = [a for a in config["applications"] if a["name"] == APP_NAME]
+    return app["args"]
+
+
+def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{base_url}/ready", timeout=10)
+            # Until the app is deployed, Ray's proxy answers in plain text (404 for unknown routes).
+            last = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
+            if resp.status_code == 200:
+                return last
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(2)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s}s; last answer: {last}")
+
+
+@dataclass
+class LiveApp:
+    base_url: str
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def openai(self, **kwargs: Any):
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key="unused", max_retries=0, timeout=120, **kwargs)
+
+    def async_openai(self, **kwargs: Any):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.v1, api_key="unused", max_retries=0, timeout=300, **kwargs)
+
+    def model_handle(self, model: str):
+        from ray import serve
+
+        from deployments.app import deployment_name
+        from shunter.config import parse_config
+
+        cfg = parse_config(local_app_args())
+        return serve.get_deployment_handle(deployment_name(cfg.find_model(model)), app_name=APP_NAME)
+
+
