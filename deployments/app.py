@@ -111,7 +111,12 @@ def _accelerator(model: ModelConfig, cluster: ClusterView) -> str:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    cfg = parse_config(args)
+    """The Serve entry point: `import_path: deployments.app:build_app`, `args:` the Shunter config."""
+    return assemble(parse_config(args))
+
+
+def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Application:
+    """Bind the deployments of a validated config. `engine_factory` is the tests' fault-injection seam."""
     plans = plan_deployments(cfg, ClusterView.detect())
     servers = {}
     for model in cfg.models:
@@ -121,7 +126,8 @@ def build_app(args: dict[str, Any]) -> Application:
         servers[model.name] = (
             serve.deployment(ModelServer)
             .options(**plan["deployment"])
-            .bind(model.model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"], plan["accelerator"])
+            .bind(model.model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"], plan["accelerator"],
+                  engine_factory)
         )
     return Gateway.options(name="gateway", ray_actor_options={"num_cpus": 0}).bind(
         cfg.model_dump(mode="json"), servers

@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.model_server import ACCEPTED
 from shunter.config import ModelConfig, ShunterConfig
 from shunter.errors import error_body
 
@@ -54,6 +55,16 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error in gateway for %s %s", request.method, request.url.path)
     return _error(500, "internal error in the gateway; see the server log")
+
+
+def _cancel(stream: Any) -> None:
+    """Cancel a replica response; a response that already failed may raise its error again here."""
+    if stream is None:
+        return
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - nothing is left to cancel
+        pass
 
 
 class BadRequest(Exception):
@@ -142,16 +153,25 @@ class Gateway:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
         stream = None
+        queue_timeout = self.config.gateway.queue_timeout_s
         try:
             stream = self.servers[model.name].options(stream=True).handle.remote(endpoint, body)
+            # A replica answers ACCEPTED as soon as it takes the request; waiting for that is bounded, so
+            # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
+            accepted = await asyncio.wait_for(stream.__anext__(), queue_timeout)
+            if accepted != ACCEPTED:
+                raise RuntimeError(f"replica protocol: expected {ACCEPTED!r}, got {accepted!r}")
             head = await stream.__anext__()
         except asyncio.CancelledError:
-            if stream is not None:
-                stream.cancel()
+            _cancel(stream)
             raise
+        except asyncio.TimeoutError:
+            _cancel(stream)
+            log.warning("model %s: no replica accepted a request within %ss", model.name, queue_timeout)
+            return _error(503, f"no replica of model {model.name!r} could take the request within {queue_timeout:g}s"
+                          "; retry shortly", code="queue_timeout", headers={"Retry-After": _RETRY_AFTER_S})
         except Exception as exc:  # noqa: BLE001 - no replica, replica gone, engine dead: the client may retry
-            if stream is not None:
-                stream.cancel()
+            _cancel(stream)
             log.warning("model %s: request failed before its first byte: %r", model.name, exc)
             return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
                           code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
@@ -177,7 +197,7 @@ class Gateway:
             finished = True
         finally:
             if not finished:  # client disconnected or we were cancelled: abort the engine request
-                stream.cancel()
+                _cancel(stream)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.config.gateway.max_body_bytes

@@ -4,13 +4,17 @@ Start-up order matters for honesty about readiness: claim CPU cores (CPU only), 
 weights, start the engine, then answer one real request end to end. Only then does the constructor
 return, so Ray Serve counts the replica as running only once it can really serve.
 
-The replica speaks one streaming method, `handle(endpoint, body)`: the first item it yields is a
-`ReplyHead` dict (status, and a JSON body unless the reply streams), the rest are SSE text chunks.
-One shape for every endpoint lets the gateway decide the HTTP status before any byte is sent.
+The replica speaks one streaming method, `handle(endpoint, body)`. It yields, in order:
+1. `ACCEPTED`, at once: a replica has taken the request (the gateway bounds how long it waits for this,
+   so a model with no replica able to take work gets a 503 instead of a hang);
+2. the reply head `{status, body, stream}`: the gateway decides the HTTP status from it before any byte
+   goes to the client (a non-streaming reply arrives whole, here);
+3. if the reply streams, its SSE text chunks.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -23,12 +27,22 @@ from shunter.config import ModelConfig
 log = logging.getLogger("ray.serve")
 
 ENDPOINTS = ("chat", "completion", "embedding")
+ACCEPTED = "accepted"
 
 
 class ModelServer:
     """Deployment class; the app builder wraps it with `serve.deployment` options per model."""
 
-    async def __init__(self, model: dict[str, Any], cache_dir: str | None, cpu_cores: int | None, accelerator: str):
+    async def __init__(
+        self,
+        model: dict[str, Any],
+        cache_dir: str | None,
+        cpu_cores: int | None,
+        accelerator: str,
+        engine_factory: str | None = None,
+    ):
+        """`engine_factory` ("module:callable", same signature as VLLMEngine.start) is a test seam for
+        fault-injecting engines; production apps always run vLLM."""
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores
         from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
@@ -49,8 +63,9 @@ class ModelServer:
             )
         path = resolve_source(self.model.source, cache_dir, progress=False)
         spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator)
+        start = _import_callable(engine_factory) if engine_factory else VLLMEngine.start
         try:
-            self.engine = await VLLMEngine.start(spec, env)
+            self.engine = await start(spec, env)
             await self.engine.warmup()
         except BaseException:
             if self._cores:
@@ -60,9 +75,10 @@ class ModelServer:
                  "embedding" if self.model.task == "embed" else "generation")
 
     async def handle(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """Serve one request; yields a ReplyHead dict, then SSE chunks if the reply streams."""
+        """Serve one request: yields ACCEPTED, the reply head, then SSE chunks if the reply streams."""
         if endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
+        yield ACCEPTED
         reply = await getattr(self.engine, endpoint)(body)
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
@@ -96,3 +112,11 @@ class ModelServer:
         cores = getattr(self, "_cores", None)
         if cores is not None:
             cores.release()
+
+
+def _import_callable(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target

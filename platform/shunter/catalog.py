@@ -124,6 +124,7 @@ def _prepare_gguf(model: BuiltinModel, gguf_path: Path, cache_dir: Path, progres
         try:
             _convert_gguf(gguf_path, tmp, progress)
             (tmp / ".shunter-complete").write_text(f"{model.description}\n")
+            tmp.chmod(0o755)  # mkdtemp makes it private; replicas of other users may read it
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             tmp.rename(out_dir)
@@ -147,7 +148,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         bar.update()
 
         bar.set_postfix_str(steps[1])
-        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
+        # float32 is transformers' fast path for GGUF; the saved checkpoint is bfloat16 all the same.
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
         bar.update()
 
         # A fresh model from the same config carries no GGUF quantization marker, so what is saved is a
@@ -156,7 +158,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        config.torch_dtype = torch.bfloat16
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
         # Tied embeddings appear as a missing lm_head; anything else means the conversion is wrong.

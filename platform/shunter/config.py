@@ -192,6 +192,12 @@ class GatewayConfig(StrictModel):
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest request body accepted; larger gets 413."
     )
+    queue_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a request may wait for a replica of its model to take it (none running, all "
+        "full); then 503 with Retry-After. Time spent generating is not limited by this.",
+    )
     ready_timeout_s: float = Field(
         default=5.0, gt=0, description="How long GET /ready waits for each model's replica to answer."
     )

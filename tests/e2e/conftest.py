@@ -53,6 +53,3 @@ def exclusive_machine() -> None:
     """For tests that start their own cluster: the shared app must not hold the cores."""
     _stop_shared_app()
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)

@@ -22,8 +22,13 @@ def test_stdlib_platform_works_from_repo_root():
 
 
 def test_layers_import_in_the_documented_direction():
-    """shunter core imports nothing of ours; routing/ and ops/ import only the core."""
+    """shunter core imports nothing of ours; routing/ and ops/ import only the core.
+
+    The CLI face (platform/shunter/cli*.py) is the one exception: it may import everything, lazily.
+    """
     for path in (ROOT / "platform" / "shunter").rglob("*.py"):
+        if path.name.startswith("cli"):
+            continue
         text = path.read_text()
         for other in ("deployments", "routing", "ops"):
             assert f"from {other}" not in text and f"import {other}" not in text, f"{path} imports {other}"

@@ -1,0 +1,153 @@
+"""Platform behaviour under faults the real engine cannot show on demand (fake engine, real Ray Serve).
+
+- a model none of whose replicas can start: its requests get 503 with Retry-After at once, /ready
+  says which model and why, and the other model keeps serving;
+- a model whose replicas are all full: a request waits at most `gateway.queue_timeout_s` for one, then
+  gets 503 with Retry-After (never an unbounded wait);
+- a replica that dies mid-stream: the client sees the chunks already sent and then an explicit error
+  event, never a silently truncated stream; Ray Serve replaces the replica and the model serves again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.live import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
+QUEUE_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def fault_app() -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from deployments.app import assemble
+    from shunter.config import parse_config
+
+    # Replica processes import the fake engine from the repository's tests package.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = parse_config({
+        "models": [
+            # one request at a time, so a second one has to queue
+            {"name": "flaky", "source": "fake:flaky", "accelerator": "cpu", "max_ongoing_requests": 1},
+            {"name": "broken", "source": "fake:never-starts", "accelerator": "cpu"},
+        ],
+        "gateway": {"queue_timeout_s": QUEUE_TIMEOUT_S},
+    })
+    # Not blocking: the app as a whole never reaches RUNNING, since `broken` never starts.
+    serve._run(assemble(cfg, engine_factory=FACTORY), _blocking=False, name="faults", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    _wait(lambda: _ready_models(base).get("flaky", {}).get("ready") is True, 120, "flaky never became ready")
+    try:
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _ready_models(base: str) -> dict:
+    try:
+        resp = httpx.get(f"{base}/ready", timeout=30)
+    except httpx.HTTPError:
+        return {}
+    return resp.json().get("models", {}) if resp.headers.get("content-type", "").startswith("application/json") \
+        else {}
+
+
+def _wait(predicate, timeout_s: float, message: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(1)
+    raise AssertionError(message)
+
+
+def _chat(base: str, model: str, content: str, stream: bool = False, timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", timeout=timeout,
+                      json={"model": model, "messages": [{"role": "user", "content": content}], "stream": stream})
+
+
+def _deployment_status(name: str) -> str:
+    from ray import serve
+
+    return serve.status().applications["faults"].deployments[name].status
+
+
+def test_model_that_never_starts_gets_503_with_retry_after(fault_app):
+    # While Ray still retries the constructor, requests wait for a replica at most the queue timeout.
+    if _deployment_status("model-broken") != "DEPLOY_FAILED":
+        started = time.monotonic()
+        resp = _chat(fault_app, "broken", "hello")
+        assert time.monotonic() - started < QUEUE_TIMEOUT_S + 10, "must not wait without end"
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+    # Once Ray has given up on it, the answer is immediate.
+    _wait(lambda: _deployment_status("model-broken") == "DEPLOY_FAILED", 120, "broken never declared failed")
+    started = time.monotonic()
+    resp = _chat(fault_app, "broken", "hello")
+    assert time.monotonic() - started < 5
+    assert resp.status_code == 503 and resp.headers.get("retry-after"), (resp.headers, resp.text)
+    assert resp.json()["error"]["code"] == "model_unavailable"
+
+
+def test_full_replicas_give_503_after_the_queue_timeout(fault_app):
+    long_text = " ".join(f"w{i}" for i in range(200))  # about 10 s of streaming
+    with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
+            "model": "flaky", "stream": True, "messages": [{"role": "user", "content": long_text}]}) as busy:
+        lines = busy.iter_lines()
+        next(lines)  # the one replica slot is taken
+        started = time.monotonic()
+        resp = _chat(fault_app, "flaky", "me too")
+        waited = time.monotonic() - started
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+        assert resp.json()["error"]["code"] == "queue_timeout"
+        assert QUEUE_TIMEOUT_S - 0.5 < waited < QUEUE_TIMEOUT_S + 5
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]", "the admitted stream is not disturbed"
+    assert _chat(fault_app, "flaky", "free again").status_code == 200
+
+
+def test_ready_names_the_model_that_is_not_ready(fault_app):
+    resp = httpx.get(f"{fault_app}/ready", timeout=30)
+    body = resp.json()
+    assert resp.status_code == 503 and resp.headers["retry-after"]
+    assert body["models"]["flaky"]["ready"] is True
+    assert body["models"]["broken"]["ready"] is False and body["models"]["broken"]["reason"]
+
+
+def test_other_model_keeps_serving(fault_app):
+    resp = _chat(fault_app, "flaky", "one two three")
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "one two three"
+
+
+def test_replica_death_mid_stream_ends_with_an_error_event(fault_app):
+    with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
+            "model": "flaky", "stream": True,
+            "messages": [{"role": "user", "content": "alpha beta gamma DIE delta epsilon"}]}) as resp:
+        assert resp.status_code == 200
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    words = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
+    assert words == ["alpha ", "beta ", "gamma "]
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "stream_interrupted" and "flaky" in error["message"]
+
+
+def test_model_serves_again_after_its_replica_died(fault_app):
+    _wait(lambda: _chat(fault_app, "flaky", "back again").status_code == 200, 120, "flaky never came back")
+    with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
+            "model": "flaky", "stream": True, "messages": [{"role": "user", "content": "a b c d e"}]}) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 6
