@@ -129,6 +129,10 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
             .bind(model.model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"], plan["accelerator"],
                   engine_factory)
         )
-    return Gateway.options(name="gateway", ray_actor_options={"num_cpus": 0}).bind(
-        cfg.model_dump(mode="json"), servers
-    )
+    # The gateway computes almost nothing (it relays), so it reserves no CPU a model engine could own.
+    return Gateway.options(
+        name="gateway",
+        num_replicas=cfg.gateway.replicas,
+        max_ongoing_requests=cfg.gateway.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(cfg.model_dump(mode="json"), servers)

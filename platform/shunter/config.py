@@ -189,6 +189,13 @@ class ModelConfig(StrictModel):
 class GatewayConfig(StrictModel):
     """The HTTP front door: limits that hold before a request reaches any engine."""
 
+    replicas: int = Field(default=1, ge=1, le=256, description="Gateway replicas (HTTP ingress processes).")
+    max_ongoing_requests: int = Field(
+        default=1024,
+        ge=1,
+        description="Requests one gateway replica relays at once. The gateway only waits on engines, so this "
+        "is high; Ray Serve's default (5) would cap the whole platform at five concurrent requests.",
+    )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest request body accepted; larger gets 413."
     )
