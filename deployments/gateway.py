@@ -32,6 +32,7 @@ log = logging.getLogger("ray.serve")
 # Which model task serves which endpoint.
 _ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed"}
 _RETRY_AFTER_S = "5"
+MAX_JSON_DEPTH = 64
 
 app = FastAPI(title="Shunter", description="OpenAI-compatible multi-model gateway", docs_url=None, redoc_url=None)
 
@@ -55,6 +56,17 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error in gateway for %s %s", request.method, request.url.path)
     return _error(500, "internal error in the gateway; see the server log")
+
+
+def _nesting_depth(value: Any) -> int:
+    """Depth of nested lists/dicts, computed without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _cancel(stream: Any) -> None:
@@ -187,8 +199,6 @@ class Gateway:
             async for chunk in stream:
                 yield chunk
             finished = True
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
             log.warning("model %s: stream broke mid-way: %r", model_name, exc)
             err = error_body(f"the stream from model {model_name!r} broke: {type(exc).__name__}", 503,
@@ -225,6 +235,13 @@ class Gateway:
         except json.JSONDecodeError as exc:
             raise BadRequest(_error(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                                          f"column {exc.colno}", code="invalid_json")) from None
+        except (ValueError, RecursionError) as exc:  # a number past 4300 digits, nesting past the parser's depth
+            raise BadRequest(_error(400, f"request body is not acceptable JSON: {str(exc)[:120]}",
+                                    code="invalid_json")) from None
+        if _nesting_depth(body) > MAX_JSON_DEPTH:
+            # Deeper structures serve no OpenAI request and would strain every layer that walks them.
+            raise BadRequest(_error(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                                    code="invalid_json"))
         if not isinstance(body, dict):
             raise BadRequest(_error(400, f"request body must be a JSON object, got {type(body).__name__}",
                                     code="invalid_json"))

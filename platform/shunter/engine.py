@@ -166,11 +166,12 @@ class VLLMEngine:
 
         try:
             request = _adapter(request_cls).validate_python(body)
-        except ValidationError as exc:
-            return EngineReply(400, validation_error_body(exc))
-        try:
             result = await handler(request, None)
+        except ValidationError as exc:  # also raised deep inside vLLM (content parts): never a raw dump
+            return EngineReply(400, validation_error_body(exc))
         except Exception as exc:  # noqa: BLE001 - vLLM maps its own exceptions to statuses
+            # Request validators raise VLLMValidationError, which pydantic does not wrap; vLLM's own
+            # mapping turns it (and every other client error) into a 4xx with its parameter.
             result = create_error_response(exc)
         return self._to_reply(result)
 

@@ -38,6 +38,12 @@ RAW_BODIES = {
                       None, "UTF-8"),
     "json array": (b"[1, 2, 3]", 400, None, "JSON object"),
     "empty body": (b"", 400, None, "empty"),
+    "nesting past the JSON parser's depth": (b'{"model": "smollm2-135m-instruct", "messages": ' + b"[" * 5000
+                                             + b"]" * 5000 + b"}", 400, None, "JSON"),
+    "nesting past the gateway's depth": (b'{"model": "smollm2-135m-instruct", "messages": ' + b"[" * 100
+                                         + b"]" * 100 + b"}", 400, None, "deeper"),
+    "integer of 5000 digits": (b'{"model": "smollm2-135m-instruct", "max_tokens": 1' + b"0" * 5000 + b"}", 400,
+                               None, "JSON"),
 }
 
 
@@ -65,6 +71,14 @@ CHAT_BODIES = {
     "temperature negative": ({"model": CHAT_MODEL, "messages": HI, "temperature": -1}, 400, "temperature", ""),
     "top_p zero": ({"model": CHAT_MODEL, "messages": HI, "top_p": 0}, 400, "top_p", ""),
     "top_p above one": ({"model": CHAT_MODEL, "messages": HI, "top_p": 1.5}, 400, "top_p", ""),
+    "json_schema format without a schema": ({"model": CHAT_MODEL, "messages": HI,
+                                             "response_format": {"type": "json_schema"}}, 400, "response_format", ""),
+    "tool_choice without tools": ({"model": CHAT_MODEL, "messages": HI, "tool_choice": "required"}, 400,
+                                  "tool_choice", "tools"),
+    "stream_options without stream": ({"model": CHAT_MODEL, "messages": HI, "stream_options": {"include_usage": True}},
+                                      400, "stream_options", "stream"),
+    "malformed content part": ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": [{"type": "nope"}]}]},
+                               400, None, ""),
     "prompt longer than context": ({"model": CHAT_MODEL, "messages": [{"role": "user", "content": "word " * 3000}]},
                                    400, None, "maximum context length"),
 }
@@ -91,6 +105,8 @@ def test_completions_and_embeddings_errors(live_app):
     _assert_openai_error(_post(live_app, "/embeddings", json={"model": EMBED_MODEL, "input": "word " * 600}), 400,
                          None, "maximum context length")
     _assert_openai_error(_post(live_app, "/embeddings", json={"model": EMBED_MODEL}), 400, "input")
+    _assert_openai_error(_post(live_app, "/completions", json={"model": CHAT_MODEL, "prompt": "", "max_tokens": 4}),
+                         400, "prompt")
 
 
 def test_body_over_the_limit_is_413(live_app):
