@@ -90,6 +90,7 @@ class ModelServer:
         return {
             "model": self.model.name,
             "replica": self.replica_id,
+            "pid": os.getpid(),
             "cpu_cores": self._cores.cores if self._cores else None,
             "max_model_len": self.engine.max_model_len(),
         }
