@@ -1,9 +1,12 @@
-"""`shunter bench overhead`: the same chat prompts through the Shunter gateway and through vLLM alone.
+"""`shunter bench overhead`: the same chat prompts through Shunter and through vLLM alone.
 
-Both sides run the same model with the same engine settings on the same cores (every core of this
-machine), each request generates exactly `max_tokens` tokens (`ignore_eos`), and the prompts are the
-same chat messages rendered by the model's own chat template. What differs is everything Shunter adds:
-HTTP, the gateway, the Ray Serve handle, the replica and vLLM's OpenAI layer.
+Three sides, each the same model with the same engine settings on the same cores (every core of this
+machine), each request generating exactly `max_tokens` tokens (`ignore_eos`), the prompts the same chat
+messages rendered by the model's own chat template:
+- `vllm-alone`: vLLM's AsyncLLM in this process, no HTTP at all (the engine's ceiling);
+- `vllm-server`: vLLM's own OpenAI server, driven by the same streaming client as Shunter (what HTTP,
+  SSE and the OpenAI layer cost);
+- `shunter`: the Shunter app serving only that model (what Ray Serve, the gateway and the replica add).
 
     shunter bench overhead [--config configs/local.yaml] [--model NAME] [--concurrency 1,8,32]
 
@@ -18,6 +21,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -96,7 +100,8 @@ async def bench_vllm_alone(model_path: str, engine_cfg: Any, levels: list[int], 
         cores.release()
 
 
-async def bench_gateway(base_url: str, model: str, levels: list[int], max_tokens: int) -> list[RunResult]:
+async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: list[int],
+                                max_tokens: int) -> list[RunResult]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -115,9 +120,44 @@ async def bench_gateway(base_url: str, model: str, levels: list[int], max_tokens
 
     try:
         await _drive("warmup", one, 4, 4)
-        return [await _drive("gateway", one, c, _requests_for(c)) for c in levels]
+        return [await _drive(side, one, c, _requests_for(c)) for c in levels]
     finally:
         await client.close()
+
+
+def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[subprocess.Popen, str]:
+    """vLLM's own OpenAI server (the reference peers compare against), same settings and cores."""
+    import os
+
+    import httpx
+
+    from shunter.cpu_cores import node_cores
+    from shunter.engine import EngineSpec, cpu_engine_env
+
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = EngineSpec(served_name, model_path, "generate", engine_cfg, "cpu").engine_args()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
+           "--max-num-seqs", str(args["max_num_seqs"]), "--disable-uvicorn-access-log"]
+    cmd += ["--enforce-eager"] if args["enforce_eager"] else []
+    env = {**os.environ, **cpu_engine_env(engine_cfg.cpu_kv_cache_gib, ",".join(map(str, node_cores())))}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(2)
+    proc.kill()
+    raise RuntimeError("vLLM's server did not come up within 300 s")
 
 
 def _requests_for(concurrency: int) -> int:
@@ -165,9 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_source(model.source, cfg.model_cache_dir)
 
     alone = asyncio.run(bench_vllm_alone(path, model.engine, levels, args.max_tokens))
+    proc, server_url = vllm_server(path, model.name, model.engine)
+    try:
+        server = asyncio.run(bench_openai_endpoint("vllm-server", server_url, model.name, levels, args.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(60)
     base_url, _ = _serve_single_model(cfg, model.name)
     try:
-        through = asyncio.run(bench_gateway(base_url, model.name, levels, args.max_tokens))
+        through = asyncio.run(bench_openai_endpoint("shunter", base_url, model.name, levels, args.max_tokens))
     finally:
         import ray
         from ray import serve
@@ -176,14 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     rows = []
-    print(f"\n{'concurrency':>11} {'vLLM alone tok/s':>17} {'gateway tok/s':>14} {'ratio':>6} "
-          f"{'TTFT p50 alone':>15} {'TTFT p50 gateway':>17}")
-    for a, g in zip(alone, through, strict=True):
-        ratio = g.tokens_per_s / a.tokens_per_s
-        print(f"{a.concurrency:>11} {a.tokens_per_s:>17.1f} {g.tokens_per_s:>14.1f} {ratio:>6.2f} "
-              f"{a.ttft_p50_s * 1000:>13.0f}ms {g.ttft_p50_s * 1000:>15.0f}ms")
-        rows.append({"vllm_alone": {**asdict(a), "tokens_per_s": a.tokens_per_s},
-                     "gateway": {**asdict(g), "tokens_per_s": g.tokens_per_s}, "throughput_ratio": ratio})
+    print("\noutput tokens/s (TTFT p50) and Shunter's throughput relative to each reference")
+    print(f"{'concurrency':>11} {'AsyncLLM alone':>20} {'vLLM OpenAI server':>20} {'Shunter':>20} "
+          f"{'vs alone':>9} {'vs server':>10}")
+    for a, v, g in zip(alone, server, through, strict=True):
+        cells = [f"{r.tokens_per_s:7.1f} ({r.ttft_p50_s * 1000:5.0f} ms)" for r in (a, v, g)]
+        print(f"{a.concurrency:>11} {cells[0]:>20} {cells[1]:>20} {cells[2]:>20} "
+              f"{g.tokens_per_s / a.tokens_per_s:>9.2f} {g.tokens_per_s / v.tokens_per_s:>10.2f}")
+        rows.append({"concurrency": a.concurrency,
+                     **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
+                     "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,
+                     "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "overhead", "model": model.name, "max_tokens": args.max_tokens, "results": rows,
