@@ -30,8 +30,6 @@ from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION_LINE = "0.32"
-
 
 @dataclass(frozen=True)
 class EngineSpec:
