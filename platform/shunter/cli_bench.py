@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -233,19 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                      **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
                      "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,
                      "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s})
+    from shunter.bench.runner import environment
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "overhead", "model": model.name, "max_tokens": args.max_tokens, "results": rows,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _commit(),
-        "machine": {"cpus": len(__import__("os").sched_getaffinity(0)), "platform": platform.platform()},
-    }, indent=2))
+    args.out.write_text(json.dumps({"benchmark": "overhead", "model": model.name, "max_tokens": args.max_tokens,
+                                    "results": rows, **environment()}, indent=2))
     print(f"\nwritten to {args.out}")
     return 0
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

@@ -1,0 +1,210 @@
+"""Async load against an OpenAI-compatible endpoint, streaming, measured at the byte level.
+
+Arrivals: a fixed number of concurrent sessions, or sessions starting at Poisson times (a request
+rate). Stops after a request count or a duration, whichever is given, and waits for what is in flight:
+every request issued is accounted for in the records, answered or not.
+
+Each request streams (`stream: true`, `stream_options.include_usage`); TTFT is the first non-empty
+content chunk, inter-token latencies are the gaps between content chunks, output tokens come from the
+server's usage (the chunk count when a server gives none). `ignore_eos` (a vLLM extension, on by
+default) makes output lengths follow the workload; turn it off for endpoints that reject it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from shunter.bench.records import RequestRecord
+from shunter.bench.workloads import Session, Turn
+
+
+@dataclass
+class LoadConfig:
+    base_url: str  # up to and including /v1
+    model: str
+    endpoint: str = "chat"  # chat | completions
+    concurrency: int | None = 8  # sessions in flight at once (fixed-concurrency mode)
+    rate: float | None = None  # requests per second, Poisson arrivals (rate mode)
+    max_requests: int | None = None
+    duration_s: float | None = None
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    seed: int = 0
+    api_key: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("chat", "completions"):
+            raise ValueError("endpoint must be 'chat' or 'completions'")
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError("give exactly one of concurrency or rate")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate must be positive")
+        if self.max_requests is None and self.duration_s is None:
+            raise ValueError("give a request count, a duration, or both")
+
+
+class _Budget:
+    """Who may still start a request: the count and the deadline, checked before each one."""
+
+    def __init__(self, cfg: LoadConfig, start: float):
+        self.left = cfg.max_requests
+        self.deadline = start + cfg.duration_s if cfg.duration_s else None
+        self.issued = 0
+
+    def take(self) -> int | None:
+        if self.left is not None and self.left <= 0:
+            return None
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return None
+        if self.left is not None:
+            self.left -= 1
+        self.issued += 1
+        return self.issued - 1
+
+
+async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[RequestRecord], float]:
+    """Send the workload; return one record per request issued and the run's wall time."""
+    if not sessions:
+        raise ValueError("the workload is empty")
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=(cfg.concurrency or 256) + 8, max_keepalive_connections=64)
+    records: list[RequestRecord] = []
+    pool = itertools.cycle(sessions)  # a duration-bound run reuses the workload in order
+    bar = tqdm(total=cfg.max_requests, desc="requests", unit="req", disable=not cfg.progress)
+    async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(cfg.timeout_s, connect=30)) as client:
+        start = time.perf_counter()
+        budget = _Budget(cfg, start)
+
+        async def run_session(session: Session) -> None:
+            history: list[tuple[Turn, str]] = []
+            for turn in session.turns:
+                index = budget.take()
+                if index is None:
+                    return
+                record, answer = await _one_request(client, cfg, session, history, turn, index, start)
+                records.append(record)
+                bar.update()
+                if not record.ok:
+                    return  # a conversation does not go on past a failed turn
+                history.append((turn, answer))
+
+        if cfg.concurrency is not None:
+            async def worker() -> None:
+                while budget.left is None or budget.left > 0:
+                    if budget.deadline is not None and time.perf_counter() >= budget.deadline:
+                        return
+                    await run_session(next(pool))
+
+            await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        else:
+            rng = random.Random(cfg.seed)
+            tasks = []
+            next_at = start
+            while True:
+                next_at += rng.expovariate(cfg.rate)
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if (budget.left is not None and budget.left <= 0) or (
+                        budget.deadline is not None and time.perf_counter() >= budget.deadline):
+                    break
+                tasks.append(asyncio.create_task(run_session(next(pool))))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    bar.close()
+    records.sort(key=lambda r: r.index)
+    return records, wall
+
+
+def _payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, str]], turn: Turn) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": cfg.model, "max_tokens": turn.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": 0}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.endpoint == "chat":
+        messages = [{"role": "system", "content": session.system}] if session.system else []
+        for past, answer in history:
+            messages += [{"role": "user", "content": past.text}, {"role": "assistant", "content": answer}]
+        body["messages"] = messages + [{"role": "user", "content": turn.text}]
+    else:
+        parts = [session.system] if session.system else []
+        for past, answer in history:
+            parts += [past.text, answer]
+        body["prompt"] = "\n\n".join(parts + [turn.text])
+    return body
+
+
+async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Session,
+                       history: list[tuple[Turn, str]], turn: Turn, index: int,
+                       start: float) -> tuple[RequestRecord, str]:
+    path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
+    sent = time.perf_counter()
+    record = RequestRecord(index=index, start_s=sent - start, ok=False, status=None,
+                           prompt_tokens=turn.prompt_tokens)
+    pieces: list[str] = []
+    last_chunk_at: float | None = None
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=_payload(cfg, session, history, turn)) as resp:
+            record.status = resp.status_code
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                record.error = _error_message(body)
+                return record, ""
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    record.error = f"error event: {_error_message(data)}"
+                    return record, "".join(pieces)
+                if event.get("usage"):
+                    record.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+                    record.prompt_tokens = int(event["usage"].get("prompt_tokens") or record.prompt_tokens)
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if cfg.endpoint == "chat" else choice.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if last_chunk_at is None:
+                            record.ttft_s = now - sent
+                        else:
+                            record.itl_s.append(now - last_chunk_at)
+                        last_chunk_at = now
+                        pieces.append(text)
+                        chunks += 1
+            if not done:
+                record.error = "stream ended without [DONE]"
+                return record, "".join(pieces)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+        return record, "".join(pieces)
+    record.e2e_s = time.perf_counter() - sent
+    record.output_tokens = record.output_tokens or chunks
+    record.ok = True
+    return record, "".join(pieces)
+
+
+def _error_message(body: str) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return body[:300]

@@ -1,0 +1,29 @@
+"""What one benchmark request measured; the shape every other bench module agrees on."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    """One request of a run. Times are seconds; `start_s` is relative to the run's start."""
+
+    index: int
+    start_s: float
+    ok: bool
+    status: int | None  # HTTP status; None when the request never got one (connection error, timeout)
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None  # first content token
+    e2e_s: float | None = None  # last byte
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive content chunks
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
+        return cls(**data)

