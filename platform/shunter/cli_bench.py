@@ -298,7 +298,7 @@ def suite_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
-    from shunter.bench.plots import plot_latency_cdfs
+    from shunter.bench.plots import plot_latency_cdfs, plot_overhead
     from shunter.bench.runner import environment
 
     shared_options = ["--groups", "4", "--users", "8", "--system-len", "1024", "--question-len", "uniform:16:32",
@@ -312,6 +312,7 @@ def suite_main(argv: list[str] | None = None) -> int:
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
     img = args.docs / "img"
     plot_latency_cdfs(result["shared_prefix"], img / "shared-prefix-cdf.png", title=result["shared_prefix"]["label"])
+    plot_overhead(result["overhead"], baseline["tokens_per_s"], img / "overhead.png")
     (args.docs / "benchmarks.md").write_text(_benchmarks_md(result, baseline, env, shared_options))
     print((args.docs / "benchmarks.md").read_text())
     return 0
@@ -342,6 +343,8 @@ The same chat prompts, at 1, 8 and 32 concurrent streams, to vLLM's `AsyncLLM` a
 same engine settings and cores on every side. Output tokens/s (TTFT p50):
 
 {overhead_table(result['overhead'])}
+
+![output tokens/s per side and concurrency](img/overhead.png)
 
 ## 2. The naive baseline
 

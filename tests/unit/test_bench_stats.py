@@ -243,3 +243,15 @@ def test_compare_table_single_result_has_no_ratio_column():
     table = compare_table([_result("only", _records())])
     assert "ratio" not in table
     assert _row(table, "output tok/s") == ["5.5"]
+
+
+def test_plot_overhead_writes_a_png(tmp_path):
+    from shunter.bench.plots import plot_overhead
+
+    def side(tps):
+        return {"tokens_per_s": tps, "ttft_p50_s": 0.1}
+
+    rows = [{"concurrency": c, "vllm-alone": side(10.0 * c), "vllm-server": side(9.0 * c), "shunter": side(8.0 * c)}
+            for c in (1, 8, 32)]
+    out = plot_overhead(rows, 20.0, tmp_path / "img" / "overhead.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

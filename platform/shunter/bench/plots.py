@@ -66,6 +66,34 @@ def plot_comparison(results: list[dict[str, Any]], out_png: Path, title: str | N
         plt.close(fig)
 
 
+def plot_overhead(rows: list[dict[str, Any]], baseline_tokens_per_s: float | None, out_png: Path,
+                  title: str | None = None) -> Path:
+    """Output tokens/s per concurrency level for each side of `shunter bench suite`'s overhead rows, with
+    the naive baseline (transformers `generate`, one at a time) as a dashed reference line."""
+    plt = _pyplot()
+    sides = [("vllm-alone", "AsyncLLM alone"), ("vllm-server", "vLLM OpenAI server"), ("shunter", "Shunter")]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    try:
+        width = 0.8 / len(sides)
+        for k, (key, label) in enumerate(sides):
+            xs = [i + (k - (len(sides) - 1) / 2) * width for i in range(len(rows))]
+            bars = ax.bar(xs, [row[key]["tokens_per_s"] for row in rows], width, label=label)
+            ax.bar_label(bars, fmt="%.0f", padding=2, fontsize=8)
+        if baseline_tokens_per_s:
+            ax.axhline(baseline_tokens_per_s, linestyle="--", color="gray",
+                       label=f"transformers generate, one at a time ({baseline_tokens_per_s:.0f})")
+        ax.set_xticks(range(len(rows)), [f"{row['concurrency']} stream{'s' if row['concurrency'] != 1 else ''}" for row in rows])
+        ax.set_ylabel("output tokens/s")
+        ax.margins(y=0.15)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_title(title if title is not None else "Platform overhead: same prompts, engine settings and cores")
+        fig.tight_layout()
+        return _save(fig, out_png)
+    finally:
+        plt.close(fig)
+
+
 def _pyplot() -> Any:
     import matplotlib
 
