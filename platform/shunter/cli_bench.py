@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -104,27 +105,31 @@ async def bench_vllm_alone(model_path: str, engine_cfg: Any, levels: list[int], 
 
 async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: list[int],
                                 max_tokens: int) -> list[RunResult]:
-    import openai
+    """An HTTP side, measured by `shunter bench`'s own load generator (the same client for every side)."""
+    from shunter.bench.loadgen import LoadConfig, run_load
+    from shunter.bench.workloads import Session, Turn
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    sessions = [Session(i, [Turn(question, 0, max_tokens)]) for i, question in enumerate(QUESTIONS)]
 
-    async def one(i: int) -> tuple[int, float]:
-        start, ttft, tokens = time.perf_counter(), None, 0
-        stream = await client.chat.completions.create(
-            model=model, messages=_messages(i), max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and ttft is None:
-                ttft = time.perf_counter() - start
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return tokens, ttft or 0.0
+    async def measure(label: str, concurrency: int, requests: int) -> RunResult:
+        cfg = LoadConfig(base_url=f"{base_url}/v1", model=model, concurrency=concurrency, max_requests=requests,
+                         progress=False)
+        records, wall = await run_load(sessions, cfg)
+        failed = [r for r in records if not r.ok]
+        if failed:  # a figure with failures in it would flatter the side that failed
+            raise RuntimeError(f"{side}: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
+        ttfts = [r.ttft_s for r in records]
+        return RunResult(label, concurrency, len(records), sum(r.output_tokens for r in records), wall,
+                         statistics.mean(ttfts), statistics.median(ttfts))
 
-    try:
-        await _drive("warmup", one, 4, 4)
-        return [await _drive(side, one, c, _requests_for(c)) for c in levels]
-    finally:
-        await client.close()
+    await measure("warmup", 4, 4)
+    return [await measure(side, c, _requests_for(c)) for c in levels]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[subprocess.Popen, str]:
@@ -136,9 +141,7 @@ def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[sub
     from shunter.cpu_cores import node_cores
     from shunter.engine import EngineSpec, cpu_engine_env
 
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     args = EngineSpec(served_name, model_path, "generate", engine_cfg, "cpu").engine_args()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
@@ -166,7 +169,7 @@ def _requests_for(concurrency: int) -> int:
     return max(8, concurrency * 2)
 
 
-def _serve_single_model(args_cfg: Any, model_name: str) -> tuple[str, Any]:
+def _serve_single_model(args_cfg: Any, model_name: str) -> str:
     """Serve only `model_name` from the config (so it owns every core, like vLLM alone), return its URL."""
     import ray
     from ray import serve
@@ -177,14 +180,10 @@ def _serve_single_model(args_cfg: Any, model_name: str) -> tuple[str, Any]:
     cfg = ShunterConfig.model_validate({**args_cfg.model_dump(), "models": [
         m.model_dump() for m in args_cfg.models if m.name == model_name]})
     ray.init(include_dashboard=False, log_to_driver=False)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(assemble(cfg), name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}", cfg
+    return f"http://127.0.0.1:{port}"
 
 
 def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[str, Any]:
@@ -235,7 +234,7 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
     finally:
         proc.terminate()
         proc.wait(60)
-    base_url, _ = _serve_single_model(cfg, model.name)
+    base_url = _serve_single_model(cfg, model.name)
     shared = None
     try:
         through = asyncio.run(bench_openai_endpoint("shunter", base_url, model.name, levels, max_tokens))

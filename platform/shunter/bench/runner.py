@@ -148,11 +148,12 @@ def _ms_to_s(ms: float | None) -> float | None:
 def main_run(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     result = run(args)
-    write_result(result, args.out, args.plot or args.out.with_suffix(".png"))
+    plot = args.plot or args.out.with_suffix(".png")
+    write_result(result, args.out, plot)
     from shunter.bench.compare import compare_table
 
     print(compare_table([result]))
-    print(f"\nwritten: {args.out} and {args.plot or args.out.with_suffix('.png')}")
+    print(f"\nwritten: {args.out} and {plot}")
     return 0 if result["summary"]["succeeded"] else 1
 
 
