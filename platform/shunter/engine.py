@@ -88,13 +88,47 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
 
 
+@dataclass
+class EngineCounters:
+    """Running totals from the engine's own scheduler stats (what vLLM's Prometheus logger counts too)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, last reported
+
+
+def _counting_stat_logger(counters: EngineCounters) -> Any:
+    """A vLLM stat-logger factory that adds each scheduler update to `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class CountingStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            counters.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                counters.prefix_cache_queries += int(prefix.queries)
+                counters.prefix_cache_hits += int(prefix.hits)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return CountingStatLogger
+
+
 class VLLMEngine:
     """One AsyncLLM and vLLM's OpenAI handlers for it."""
 
-    def __init__(self, spec: EngineSpec, engine: Any, state: Any):
+    def __init__(self, spec: EngineSpec, engine: Any, state: Any, counters: EngineCounters | None = None):
         self.spec = spec
         self._engine = engine
         self._state = state
+        self.counters = counters or EngineCounters()
 
     @classmethod
     async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> VLLMEngine:
@@ -117,11 +151,14 @@ class VLLMEngine:
 
         engine_args = AsyncEngineArgs.from_cli_args(namespace)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        counters = EngineCounters()
         engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=False,
-            disable_log_stats=engine_args.disable_log_stats,
+            # Stats are what routing and tests read back (prefix-cache hits); vLLM's own loggers stay on.
+            disable_log_stats=False,
+            stat_loggers=[_counting_stat_logger(counters)],
         )
         try:
             tasks = await engine.get_supported_tasks()
@@ -131,7 +168,7 @@ class VLLMEngine:
             engine.shutdown()
             raise
         log.info("engine for %s up: tasks=%s, model=%s", spec.served_name, tasks, spec.model_path)
-        return cls(spec, engine, state)
+        return cls(spec, engine, state, counters)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -219,6 +256,13 @@ class VLLMEngine:
 
     def max_model_len(self) -> int:
         return int(self._engine.model_config.max_model_len)
+
+    def kv_cache_blocks(self) -> int:
+        """KV blocks the engine allocated (known once the engine core has started)."""
+        return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    def block_size(self) -> int:
+        return int(self._engine.vllm_config.cache_config.block_size or 16)
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -1,12 +1,18 @@
 """FAKE ENGINE for platform fault tests only. Real behaviour is tested against vLLM in tests/e2e.
 
-The real engine cannot be made, on demand, to die in the middle of a stream or to never start, so
-these tests swap it (through ModelServer's `engine_factory` seam) for this stand-in, which speaks the
-same EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the model's `source`:
+The real engine cannot be made, on demand, to fail, hang or die in the middle of a stream, so these
+tests swap it (through ModelServer's `engine_factory` seam) for this stand-in, which speaks the same
+EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the model's `source`:
 
-- `fake:flaky`: echoes the last message word by word as an SSE chat stream; if the message contains
-  "DIE", the replica process exits after three chunks (a crash mid-stream).
+- `fake:flaky`: echoes the last message word by word (as an SSE chat stream when asked to stream). A
+  message containing "DIE" makes the replica process exit after three chunks (a crash mid-stream); one
+  containing "BAD" gets a 400 (a client error, which must never count against the replica).
 - `fake:never-starts`: raises during start-up, every time.
+
+Per-replica faults, switched by the test while the app runs: when the environment names a control
+directory (`SHUNTER_FAULT_DIR`), the file `<dir>/<replica id>` holds this replica's mode: `ok`, `error`
+(the engine raises), `fail500` (the engine answers 500) or `hang` (the engine never answers). Each
+request a replica receives appends a line to `<dir>/<replica id>.calls`, so tests can count attempts.
 """
 
 from __future__ import annotations
@@ -15,24 +21,54 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from shunter.engine import EngineReply, EngineSpec
+from shunter.errors import error_body
 
 
 class FaultInjectingEngine:
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, replica: str):
         self.spec = spec
+        self.replica = replica
         self.unfinished = 0
+        control = os.environ.get("SHUNTER_FAULT_DIR")
+        self.control = Path(control) if control else None
 
     @classmethod
     async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> FaultInjectingEngine:
         if spec.model_path == "fake:never-starts":
             raise RuntimeError("fault injection: this engine never starts")
-        return cls(spec)
+        from ray import serve
+
+        return cls(spec, serve.get_replica_context().replica_id.unique_id)
+
+    def _mode(self) -> str:
+        if self.control is None:
+            return "ok"
+        try:
+            return (self.control / self.replica).read_text().strip() or "ok"
+        except FileNotFoundError:
+            return "ok"
+
+    def _count(self, text: str) -> None:
+        if self.control is not None:
+            with open(self.control / f"{self.replica}.calls", "a") as f:
+                f.write(text.replace("\n", " ")[:80] + "\n")
 
     async def chat(self, body: dict[str, Any]) -> EngineReply:
         text = str(body["messages"][-1]["content"])
+        self._count(text)
+        if "BAD" in text:
+            return EngineReply(400, error_body("fault injection: a client error", 400, param="messages"))
+        mode = self._mode()
+        if mode == "error":
+            raise RuntimeError("fault injection: the engine failed")
+        if mode == "fail500":
+            return EngineReply(500, error_body("fault injection: internal engine error", 500))
+        if mode == "hang":
+            await asyncio.sleep(3600)
         if not body.get("stream"):
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -66,6 +102,12 @@ class FaultInjectingEngine:
 
     def max_model_len(self) -> int:
         return 2048
+
+    def kv_cache_blocks(self) -> int:
+        return 64
+
+    def block_size(self) -> int:
+        return 16
 
     def shutdown(self) -> None:
         return None

@@ -1,0 +1,65 @@
+"""What the gateway, the routers and the ModelServer replicas pass each other (pickled by Ray).
+
+A call to a replica's `handle` carries one `ReplicaRequest`: the endpoint, the JSON body, and routing
+hints the router reads from the pending request (never the replica): which replicas to avoid (a retry
+after a failure) or the one replica to pin to (operator and test calls such as `stats`). Other replica
+methods take a bare `RouteHint` as their first argument for the same purpose.
+
+A replica's streamed answer starts with `Accepted(replica_id)` as soon as it takes the request, so the
+gateway knows at once which replica serves it (for the breaker, the retry and the `x-shunter-replica`
+header) and can bound how long a request waits for any replica to take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ENDPOINTS = ("chat", "completion", "embedding")
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """Routing hints for one call; the router honours them, the replica ignores them."""
+
+    request_id: str = ""
+    avoid: tuple[str, ...] = ()  # replica ids this request already failed on
+    pin: str | None = None  # a replica id this call must go to (stats, drain): no other replica will do
+
+
+@dataclass(frozen=True)
+class ReplicaRequest(RouteHint):
+    """One OpenAI request for a replica. `body` is the parsed JSON, its model already resolved."""
+
+    endpoint: str = "chat"
+    body: dict[str, Any] = field(default_factory=dict)
+
+    # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
+    # looking for an argument with a `messages` or `prompt` attribute; exposing exactly the one this
+    # request has lets those routers run unchanged for comparison. hasattr() is False when these raise.
+    @property
+    def messages(self) -> Any:
+        if self.endpoint != "chat" or "messages" not in self.body:
+            raise AttributeError("messages")
+        return self.body["messages"]
+
+    @property
+    def prompt(self) -> Any:
+        if self.endpoint == "chat" or "prompt" not in self.body:
+            raise AttributeError("prompt")
+        return self.body["prompt"]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """First item of every reply stream: this replica took the request."""
+
+    replica_id: str
+
+
+def find_hint(args: Any, kwargs: Any) -> RouteHint | None:
+    """The RouteHint among a pending request's arguments, if the caller sent one."""
+    for value in list(args or ()) + list((kwargs or {}).values()):
+        if isinstance(value, RouteHint):
+            return value
+    return None

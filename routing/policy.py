@@ -1,0 +1,75 @@
+"""Replica ranking: pure functions of the candidates' load and cached prefix (no Ray, no clock).
+
+The prefix-aware trade-off is a cost model of time to first token. Sending a request to replica r costs
+the prompt tokens r does not hold (they must be prefilled) plus `load_cost_tokens` for each request
+already in flight on r (it competes for the same engine steps). The cheapest replica wins, so:
+
+- a cache miss everywhere goes to the least loaded replica (not to the one with the smallest cache);
+- a long cached prefix keeps winning while its replica is moderately busier, and a hot prefix spills
+  to the next replica once the extra queue costs more than the prefill it saves; the spill-over replica
+  then caches the prefix too, and the hot prefix is served from both;
+- `max_load_gap` bounds the imbalance outright: a replica carrying more than that many requests beyond
+  the least loaded one is only ranked after every replica within the gap.
+
+Ties go to the less loaded replica, then at random, so equal replicas share work evenly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from routing.prefix import PrefixKey
+
+PREFIX_HIT = "prefix_hit"  # the chosen replica holds the longest cached prefix of any candidate
+LOAD_FALLBACK = "load_fallback"  # some replica held more of the prefix, load sent the request elsewhere
+LEAST_LOADED = "least_loaded"  # no candidate held any of the prefix: the least loaded one took it
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica: str
+    load: int  # requests in flight on the replica
+    matched: int = 0  # leading prefix chunks the replica is believed to hold
+
+
+@dataclass(frozen=True)
+class Ranking:
+    order: tuple[str, ...]  # replica ids, best first
+    reason: str
+    matched_fraction: float  # share of the request's prompt the chosen replica holds
+
+
+def rank_least_connections(candidates: list[Candidate], rng: random.Random) -> Ranking:
+    if not candidates:
+        return Ranking((), LEAST_LOADED, 0.0)
+    order = sorted(candidates, key=lambda c: (c.load, rng.random()))
+    return Ranking(tuple(c.replica for c in order), LEAST_LOADED, 0.0)
+
+
+def rank_prefix_aware(
+    candidates: list[Candidate],
+    key: PrefixKey,
+    load_cost_tokens: int,
+    max_load_gap: int,
+    rng: random.Random,
+) -> Ranking:
+    if not candidates:
+        return Ranking((), LEAST_LOADED, 0.0)
+    least = min(c.load for c in candidates)
+    within = [c for c in candidates if c.load - least <= max_load_gap]
+    beyond = [c for c in candidates if c.load - least > max_load_gap]
+
+    def cost(c: Candidate) -> tuple[int, int, float]:
+        return key.uncached_tokens(c.matched) + load_cost_tokens * c.load, c.load, rng.random()
+
+    order = sorted(within, key=cost) + sorted(beyond, key=lambda c: (c.load, rng.random()))
+    best, most = order[0], max(c.matched for c in candidates)
+    if most == 0:
+        reason = LEAST_LOADED
+    elif best.matched == most:
+        reason = PREFIX_HIT
+    else:
+        reason = LOAD_FALLBACK
+    fraction = min(1.0, best.matched * key.chunk_chars / key.chars) if key.chars else 0.0
+    return Ranking(tuple(c.replica for c in order), reason, fraction)

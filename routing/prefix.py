@@ -1,0 +1,166 @@
+"""Prefix identity of a request, and what each replica is believed to hold in its KV cache.
+
+Identity: the request's prompt is rendered to canonical text (roles, contents, tools: everything that
+shapes the tokens the engine will cache, in order) and cut into fixed-size chunks of about one KV block
+each (`block_size` tokens x `CHARS_PER_TOKEN`). Each chunk's key hashes the chunk *and its parent's
+key*, like vLLM's own block hashes, so a key stands for the whole prefix up to it and two prompts share
+keys exactly as far as they share a beginning. Only whole chunks get keys: the engine caches only full
+blocks. This approximates the engine's token blocks without tokenizing in the router (no tokenizer to
+load or keep in step with the replica's), at the cost of block edges not lining up with token edges.
+
+Memory: `PrefixIndex` keeps per replica an LRU set of keys bounded by that replica's real KV capacity
+in blocks (reported by the replica), so belief never outgrows what the engine could hold. A routed
+request touches its keys from last to first: the first chunks are the most recent, so eviction drops
+tails before heads, the order in which vLLM frees a finished request's blocks. Replicas that leave are
+dropped whole. Everything is local to the router's process: no remote call on the routing path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+CHARS_PER_TOKEN = 4  # English BPE text averages about four characters per token
+DEFAULT_CAPACITY_BLOCKS = 4096  # until a replica reports its real KV capacity
+_ROOT = b"shunter-prefix-v1"
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """A request's chained chunk keys, and how many prompt characters (about tokens) it has in all."""
+
+    keys: tuple[bytes, ...]
+    chars: int
+    chunk_chars: int
+
+    @property
+    def tokens(self) -> int:
+        return max(1, self.chars // CHARS_PER_TOKEN)
+
+    def uncached_tokens(self, matched_chunks: int) -> int:
+        return max(0, self.chars - matched_chunks * self.chunk_chars) // CHARS_PER_TOKEN
+
+
+def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
+    """Canonical text of what the engine will see first, in order; "" when there is no prompt."""
+    if endpoint == "chat":
+        parts = []
+        for key in ("tools", "chat_template", "chat_template_kwargs"):  # rendered before the messages
+            if body.get(key) is not None:
+                parts.append(f"<{key}>{_canonical(body[key])}")
+        for message in body.get("messages") or []:
+            if isinstance(message, dict):
+                parts.append(f"<{message.get('role')}>{_content_text(message.get('content'))}")
+                for key in ("name", "tool_calls", "tool_call_id"):
+                    if message.get(key) is not None:
+                        parts.append(f"<{key}>{_canonical(message[key])}")
+            else:
+                parts.append(_canonical(message))
+        return "\n".join(parts)
+    if endpoint == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: its first prompt stands for the request
+        return prompt if isinstance(prompt, str) else _canonical(prompt)
+    return ""
+
+
+def prefix_key(text: str, block_size: int) -> PrefixKey:
+    """Chained keys of the whole chunks of `text`, one chunk per KV block of `block_size` tokens."""
+    chunk = max(1, block_size) * CHARS_PER_TOKEN
+    keys, parent = [], _ROOT
+    # Chunk by characters (not bytes) so non-ASCII text keeps about a block per chunk.
+    for start in range(0, len(text) - chunk + 1, chunk):
+        piece = text[start : start + chunk].encode("utf-8", "surrogatepass")
+        parent = hashlib.blake2b(parent + piece, digest_size=12).digest()
+        keys.append(parent)
+    return PrefixKey(tuple(keys), len(text), chunk)
+
+
+class PrefixIndex:
+    """Per replica: the prefix keys it is believed to hold, an LRU bounded by its KV capacity."""
+
+    def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS):
+        self.default_capacity = default_capacity
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        self._capacity[replica] = max(1, int(blocks))
+        self._evict(replica)
+
+    def capacity(self, replica: str) -> int:
+        return self._capacity.get(replica, self.default_capacity)
+
+    def matched(self, replica: str, keys: Iterable[bytes]) -> int:
+        """How many leading chunks of a request the replica holds (stops at the first gap)."""
+        held = self._held.get(replica)
+        if not held:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in held:
+                break
+            count += 1
+        return count
+
+    def record(self, replica: str, keys: tuple[bytes, ...]) -> None:
+        """The request went to `replica`: it will hold these chunks (heads most recently used)."""
+        if not keys:
+            return
+        held = self._held.setdefault(replica, OrderedDict())
+        for key in reversed(keys):
+            held[key] = None
+            held.move_to_end(key)
+        self._evict(replica)
+
+    def retain(self, replicas: Iterable[str]) -> None:
+        """Forget every replica not in `replicas` (they left the deployment)."""
+        keep = set(replicas)
+        for replica in [r for r in self._held if r not in keep]:
+            self.drop(replica)
+        for replica in [r for r in self._capacity if r not in keep]:
+            del self._capacity[replica]
+
+    def drop(self, replica: str) -> None:
+        self._held.pop(replica, None)
+        self._capacity.pop(replica, None)
+
+    def size(self, replica: str) -> int:
+        return len(self._held.get(replica, ()))
+
+    def replicas(self) -> list[str]:
+        return list(self._held)
+
+    def _evict(self, replica: str) -> None:
+        held = self._held.get(replica)
+        if held is None:
+            return
+        limit = self.capacity(replica)
+        while len(held) > limit:
+            held.popitem(last=False)
+
+
+def _content_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:  # images, audio, files: their identity is their canonical JSON
+                out.append(_canonical(part))
+        return "".join(out)
+    return _canonical(content)
+
+
+def _canonical(value: Any) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -1,0 +1,197 @@
+"""Ray Serve request routers for ModelServer deployments (public `ray.serve.request_router` API).
+
+Every policy runs behind `ShunterGuard`, which owns what must hold whatever the policy:
+- replicas whose circuit breaker is open get no traffic (half-open ones get their probes);
+- a retry avoids the replica it failed on; a pinned call (stats, drain) goes to its replica only;
+- the shared per-process state (prefix index, breakers, in-flight counts) follows the replica set,
+  and a replica that leaves or dies is forgotten at once.
+
+Policies:
+- `PrefixAwareRouter` ranks by the cost model in `routing.policy` (cached prefix vs load);
+- `LeastConnectionsRouter` ranks by requests in flight;
+- `PowerOfTwoRouter` is Ray Serve's default policy behind the guard;
+- any other Ray RequestRouter runs behind the guard too (policy `custom`, see `routing.custom`).
+
+Load is the replica's in-flight count as Ray's own queue-length cache knows it (what the replica reported
+with its last answer, plus what this process sent since), or this process's own count when that entry
+is stale. Nothing here makes a remote call; Ray's base class probes a replica's queue length only when
+its cached entry has gone stale (no traffic for 10 s) or the replica reported itself full.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from routing import metrics
+from routing.policy import (
+    LEAST_LOADED,
+    LOAD_FALLBACK,
+    PREFIX_HIT,
+    Candidate,
+    rank_least_connections,
+    rank_prefix_aware,
+)
+from routing.prefix import prefix_key, render_prompt
+from routing.state import DeploymentRouting, deployment_key, routing_state
+from shunter.config import RoutingConfig
+from shunter.replica_protocol import ReplicaRequest, find_hint
+
+log = logging.getLogger("ray.serve")
+
+BREAKER_SKIP = "breaker_skip"
+RETRY = "retry"
+
+
+class ShunterGuard:
+    """Mixin placed before a RequestRouter class in the MRO; see the module docstring."""
+
+    _shunter: DeploymentRouting
+    policy_name = "custom"
+
+    def initialize_state(self, shunter: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        spec = shunter or {}
+        dep = self._deployment_id  # type: ignore[attr-defined]
+        self._shunter = routing_state(
+            deployment_key(dep.app_name, dep.name),
+            model=spec.get("model", dep.name),
+            policy=spec.get("policy", self.policy_name),
+            config=RoutingConfig.model_validate(spec.get("routing", {})),
+            block_size=spec.get("block_size"),
+        )
+        self._rng = random.Random()
+        self._routed: dict[str, str] = {}  # internal request id -> replica id, until completed
+        super().initialize_state(**kwargs)  # type: ignore[misc]
+
+    # ---- candidate filtering ------------------------------------------------------------------
+
+    def _guard(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
+        hint = find_hint(pending.args, pending.kwargs) if pending is not None else None
+        if hint is not None and hint.pin:
+            return [c for c in candidates if c.replica_id.unique_id == hint.pin]
+        allowed = [c for c in candidates if self._shunter.allows(c.replica_id.unique_id)]
+        if pending is not None and len(allowed) < len(candidates):
+            pending._shunter_skipped = True  # counted once, when the request is routed
+        if hint is not None and hint.avoid:
+            others = [c for c in allowed if c.replica_id.unique_id not in hint.avoid]
+            allowed = others or allowed  # the only replica left may still serve a retry
+        return allowed
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        allowed = self._guard(candidate_replicas, pending_request)
+        if not allowed:
+            return []
+        ranked = await super().choose_replicas(allowed, pending_request)  # type: ignore[misc]
+        # Some policies (Ray's own) draw from their full replica set, not the candidates given: filter.
+        ok = {r.replica_id for r in allowed}
+        groups = [[r for r in group if r.replica_id in ok] for group in ranked]
+        groups = [g for g in groups if g]
+        return groups or [self._rng.sample(allowed, min(2, len(allowed)))]
+
+    # ---- lifecycle hooks ----------------------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)  # type: ignore[misc]
+        self._shunter.sync_replicas(
+            [r.replica_id.unique_id for r in replicas],
+            {r.replica_id.unique_id: (r.routing_stats or {}) for r in replicas},
+        )
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)  # type: ignore[misc]
+        self._shunter.forget(replica_id.unique_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
+        replica = replica_id.unique_id
+        self._routed[pending_request.metadata.internal_request_id] = replica
+        self._shunter.dispatched(replica)
+        state = self._shunter
+        if getattr(pending_request, "_shunter_skipped", False):
+            metrics.decision(state.model, state.policy, BREAKER_SKIP)
+        hint = find_hint(pending_request.args, pending_request.kwargs)
+        if hint is not None and hint.avoid:
+            metrics.decision(state.model, state.policy, RETRY)
+        if not isinstance(hint, ReplicaRequest):
+            return
+        key = getattr(pending_request, "_shunter_key", None)
+        if key is None:
+            key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
+        matched = state.matched(replica, key.keys)
+        if key.chars:
+            metrics.prefix_match(state.model, min(1.0, matched * key.chunk_chars / key.chars))
+        reason = self._reason(pending_request, replica, matched)
+        if reason:
+            metrics.decision(state.model, state.policy, reason)
+        state.record_prefix(replica, key.keys)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)  # type: ignore[misc]
+        replica = self._routed.pop(internal_request_id, None)
+        if replica is not None:  # rejected attempts were never counted as dispatched
+            self._shunter.completed(replica)
+
+    def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
+        return self.policy_name
+
+    def _load(self, replica: RunningReplica) -> int:
+        cached = self._replica_queue_len_cache.get(replica.replica_id)  # type: ignore[attr-defined]
+        return cached if cached is not None else self._shunter.load(replica.replica_id.unique_id)
+
+
+class LeastConnectionsRouter(ShunterGuard, RequestRouter):
+    """The replica with the fewest requests in flight; ties broken at random."""
+
+    policy_name = "least_connections"
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        allowed = self._guard(candidate_replicas, pending_request)
+        by_id = {r.replica_id.unique_id: r for r in allowed}
+        ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
+        return [[by_id[i]] for i in ranking.order]
+
+    def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
+        return LEAST_LOADED
+
+
+class PrefixAwareRouter(ShunterGuard, RequestRouter):
+    """Cached prefix against load, by the cost model of `routing.policy.rank_prefix_aware`."""
+
+    policy_name = "prefix_aware"
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        allowed = self._guard(candidate_replicas, pending_request)
+        by_id = {r.replica_id.unique_id: r for r in allowed}
+        state = self._shunter
+        hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request is not None else None
+        if not isinstance(hint, ReplicaRequest):
+            ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
+            return [[by_id[i]] for i in ranking.order]
+        key = getattr(pending_request, "_shunter_key", None)
+        if key is None:  # computed once per request, though Ray may ask again after a rejection
+            key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
+            pending_request._shunter_key = key
+        candidates = [Candidate(i, self._load(r), state.matched(i, key.keys)) for i, r in by_id.items()]
+        ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
+                                    self._rng)
+        pending_request._shunter_most = max((c.matched for c in candidates), default=0)
+        return [[by_id[i]] for i in ranking.order]
+
+    def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
+        most = getattr(pending, "_shunter_most", matched)
+        if most == 0:
+            return LEAST_LOADED
+        return PREFIX_HIT if matched >= most else LOAD_FALLBACK
+
+
+class PowerOfTwoRouter(ShunterGuard, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default policy (two random replicas, the shorter queue), behind the guard."""
+
+    policy_name = "power_of_two"

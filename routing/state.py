@@ -1,0 +1,129 @@
+"""Routing state of one deployment, shared by everything in one process that sends to it.
+
+Ray Serve builds a router per deployment handle inside the caller's process (the gateway). The prefix
+index, the breakers and the in-flight counts live here instead, one `DeploymentRouting` per deployment
+per process, so every router instance of that process and the gateway (which records how requests
+ended) see the same picture. Nothing is shared across processes: each gateway replica learns from the
+requests it routes itself, which is what it can observe without a remote call.
+
+Ray runs routers on their own event loop thread while the gateway records outcomes on its own, so every
+method takes the state's lock; callers use these methods, never the parts inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from routing import metrics
+from routing.breaker import BreakerBoard, BreakerState
+from routing.prefix import PrefixIndex
+from shunter.config import RoutingConfig
+
+log = logging.getLogger("ray.serve")
+
+
+class DeploymentRouting:
+    def __init__(self, model: str, policy: str, config: RoutingConfig, block_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.policy = policy
+        self.config = config
+        self.block_size = block_size
+        self.prefix = PrefixIndex()
+        self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
+        self.inflight: dict[str, int] = {}
+        self.replicas: set[str] = set()
+        self._lock = threading.RLock()
+
+    def allows(self, replica: str) -> bool:
+        with self._lock:
+            return self.breakers.allows(replica)
+
+    def load(self, replica: str) -> int:
+        return self.inflight.get(replica, 0)
+
+    def matched(self, replica: str, keys: tuple[bytes, ...]) -> int:
+        with self._lock:
+            return self.prefix.matched(replica, keys)
+
+    def record_prefix(self, replica: str, keys: tuple[bytes, ...]) -> None:
+        with self._lock:
+            self.prefix.record(replica, keys)
+
+    def sync_replicas(self, replicas: Iterable[str], stats: dict[str, dict[str, Any]] | None = None) -> None:
+        """The deployment's running replicas changed (or reported new routing stats)."""
+        with self._lock:
+            self.replicas = set(replicas)
+            self.prefix.retain(self.replicas)
+            self.breakers.retain(self.replicas)
+            for replica in [r for r in self.inflight if r not in self.replicas]:
+                del self.inflight[replica]
+            for replica, reported in (stats or {}).items():
+                blocks = reported.get("kv_cache_blocks")
+                if blocks:
+                    self.prefix.set_capacity(replica, int(blocks))
+                if reported.get("block_size"):
+                    self.block_size = int(reported["block_size"])
+
+    def forget(self, replica: str) -> None:
+        """A replica died: nothing it held survives it."""
+        with self._lock:
+            self.replicas.discard(replica)
+            self.prefix.drop(replica)
+            self.inflight.pop(replica, None)
+
+    def dispatched(self, replica: str) -> None:
+        with self._lock:
+            self.inflight[replica] = self.inflight.get(replica, 0) + 1
+            self.breakers.on_dispatch(replica)
+
+    def completed(self, replica: str) -> None:
+        with self._lock:
+            if self.inflight.get(replica, 0) > 0:
+                self.inflight[replica] -= 1
+            self.breakers.on_done(replica)
+
+    def record_outcome(self, replica: str, failed: bool, why: str = "") -> None:
+        with self._lock:
+            self.breakers.record(replica, failed, why)
+
+    def unavailable_for_s(self) -> float | None:
+        """Seconds until a replica may take requests again, when every known replica is blocked."""
+        with self._lock:
+            if not self.replicas:
+                return None
+            return self.breakers.all_open(self.replicas)
+
+    def _breaker_changed(self, replica: str, before: BreakerState, after: BreakerState, why: str) -> None:
+        level = log.warning if after is BreakerState.OPEN else log.info
+        level("model %s replica %s: breaker %s -> %s (%s)", self.model, replica, before.value, after.value, why)
+        metrics.breaker_state(self.model, replica, after.level, to=after.value)
+
+
+_lock = threading.Lock()
+_by_deployment: dict[str, DeploymentRouting] = {}
+
+
+def deployment_key(app_name: str, deployment_name: str) -> str:
+    return f"{app_name}#{deployment_name}"
+
+
+def routing_state(key: str, model: str, policy: str, config: RoutingConfig,
+                  block_size: int | None = None) -> DeploymentRouting:
+    """The process's state for deployment `key`, created by whoever needs it first. The router passes
+    the engine's KV block size; the gateway, which does not know it, passes None."""
+    with _lock:
+        state = _by_deployment.get(key)
+        if state is None:
+            state = _by_deployment[key] = DeploymentRouting(model, policy, config, block_size or 16)
+        elif block_size:
+            state.block_size = block_size
+        return state
+
+
+def existing_state(key: str) -> DeploymentRouting | None:
+    return _by_deployment.get(key)
