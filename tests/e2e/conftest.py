@@ -48,7 +48,7 @@ def live_app() -> Iterator[LiveApp]:
     _stop_shared_app()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def exclusive_machine() -> None:
     """For tests that start their own cluster: the shared app must not hold the cores."""
     _stop_shared_app()

@@ -1,0 +1,107 @@
+"""A deployment's shared routing state follows its replica set: departed replicas leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from routing.prefix import CHARS_PER_TOKEN, prefix_key
+from routing.state import DeploymentRouting, deployment_key, existing_state, routing_state
+from shunter.config import BreakerConfig, RoutingConfig
+
+KEYS = prefix_key("k" * (8 * 16 * CHARS_PER_TOKEN), 16).keys  # 8 chunks
+
+
+class FakeClock:
+    def __init__(self, now: float = 50.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _state(clock=None, **breaker) -> DeploymentRouting:
+    config = RoutingConfig(breaker=BreakerConfig(consecutive_failures=1, cooldown_s=10, **breaker))
+    return DeploymentRouting("m", "prefix_aware", config, 16, clock or FakeClock())
+
+
+def test_sync_replicas_drops_departed_replicas_state():
+    state = _state()
+    state.sync_replicas(["r1", "r2"])
+    for replica in ("r1", "r2"):
+        state.record_prefix(replica, KEYS)
+        state.dispatched(replica)
+        state.record_outcome(replica, failed=True)
+    assert not state.allows("r1") and state.load("r1") == 1 and state.matched("r1", KEYS) == 8
+    state.sync_replicas(["r2", "r3"])
+    assert state.replicas == {"r2", "r3"}
+    assert state.matched("r1", KEYS) == 0 and state.load("r1") == 0 and state.allows("r1")
+    assert state.matched("r2", KEYS) == 8 and state.load("r2") == 1 and not state.allows("r2")
+
+
+def test_capacity_comes_from_reported_kv_cache_blocks():
+    state = _state()
+    state.record_prefix("r1", KEYS)
+    state.sync_replicas(["r1", "r2"], {"r1": {"kv_cache_blocks": 3}, "r2": {}})
+    assert state.prefix.capacity("r1") == 3 and state.matched("r1", KEYS) == 3
+    assert state.prefix.capacity("r2") == state.prefix.default_capacity
+    state.sync_replicas(["r1"], {"r1": {"kv_cache_blocks": 0, "block_size": 32}})  # 0: not reported yet
+    assert state.prefix.capacity("r1") == 3 and state.block_size == 32
+
+
+def test_inflight_counts_dispatches_and_completions():
+    state = _state()
+    state.dispatched("r1")
+    state.dispatched("r1")
+    state.completed("r1")
+    assert state.load("r1") == 1
+    state.completed("r1")
+    state.completed("r1")  # never below zero
+    assert state.load("r1") == 0
+
+
+def test_forget_drops_a_dead_replicas_prefix_and_load():
+    state = _state()
+    state.sync_replicas(["r1", "r2"])
+    state.record_prefix("r1", KEYS)
+    state.dispatched("r1")
+    state.forget("r1")
+    assert state.replicas == {"r2"} and state.matched("r1", KEYS) == 0 and state.load("r1") == 0
+
+
+def test_unavailable_for_s_only_when_every_replica_is_blocked():
+    clock = FakeClock()
+    state = _state(clock)
+    assert state.unavailable_for_s() is None  # no replicas known
+    state.sync_replicas(["r1", "r2"])
+    state.record_outcome("r1", failed=True)
+    assert state.unavailable_for_s() is None  # r2 may serve
+    clock.now += 4
+    state.record_outcome("r2", failed=True)
+    assert state.unavailable_for_s() == pytest.approx(6)
+    clock.now += 6
+    assert state.unavailable_for_s() is None  # r1 half-open: a probe may go
+
+
+def test_probe_slot_is_taken_by_dispatch_and_freed_by_completion():
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1"])
+    state.record_outcome("r1", failed=True)
+    clock.now += 10
+    assert state.allows("r1")
+    state.dispatched("r1")
+    assert not state.allows("r1") and state.unavailable_for_s() == 0.0
+    state.completed("r1")
+    assert state.allows("r1")
+
+
+def test_routing_state_is_shared_per_deployment_key(monkeypatch):
+    monkeypatch.setattr("routing.state._by_deployment", {})  # leave the process's registry as it was
+    key = deployment_key("app", "model-x")
+    assert existing_state(key) is None
+    first = routing_state(key, "x", "least_connections", RoutingConfig())
+    assert first.block_size == 16  # the gateway does not know the engine's block size
+    second = routing_state(key, "x", "least_connections", RoutingConfig(), block_size=128)
+    assert second is first and first.block_size == 128 and existing_state(key) is first
+    routing_state(key, "x", "least_connections", RoutingConfig())  # None keeps what a router set
+    assert first.block_size == 128
