@@ -66,12 +66,15 @@ class CircuitBreaker:
             return True
         return state is BreakerState.HALF_OPEN and self._probes < self.config.half_open_probes
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> bool:
+        """A request was sent; True when it took a half-open probe slot (its caller frees it later)."""
         if self.state is BreakerState.HALF_OPEN:
             self._probes += 1
+            return True
+        return False
 
-    def on_done(self) -> None:
-        """The request ended (whatever the outcome): its probe slot, if it held one, is free again."""
+    def on_probe_done(self) -> None:
+        """A probe ended (whatever the outcome): its slot is free again."""
         if self._state is BreakerState.HALF_OPEN and self._probes > 0:
             self._probes -= 1
 
@@ -136,19 +139,25 @@ class BreakerBoard:
         self._notice(replica, breaker)
         return allowed
 
-    def on_dispatch(self, replica: str) -> None:
-        if self.config.enabled:
-            self._get(replica).on_dispatch()
+    def on_dispatch(self, replica: str) -> bool:
+        """True when the request took a probe slot: pass it back through `on_probe_done` when it ends."""
+        return self._get(replica).on_dispatch() if self.config.enabled else False
 
-    def on_done(self, replica: str) -> None:
+    def on_probe_done(self, replica: str) -> None:
         if replica in self._breakers:
-            self._breakers[replica].on_done()
+            self._breakers[replica].on_probe_done()
 
     def record(self, replica: str, failed: bool, why: str = "") -> None:
         if not self.config.enabled:
             return
         breaker = self._get(replica)
-        breaker.record(failed, why)
+        change = breaker.record(failed, why)
+        if change is not None:
+            before, after = change
+            seen = self._seen_state.get(replica, BreakerState.CLOSED)
+            if seen is not before:  # e.g. the cooldown ran out unobserved: open -> half_open, then this
+                self._report(replica, seen, before, "cooldown elapsed")
+            self._report(replica, before, after, breaker.last_reason)
         self._notice(replica, breaker)
 
     def state(self, replica: str) -> BreakerState:
@@ -181,6 +190,9 @@ class BreakerBoard:
         state = breaker.state
         before = self._seen_state.get(replica, BreakerState.CLOSED)
         if state is not before:
-            self._seen_state[replica] = state
-            if self._on_transition:
-                self._on_transition(replica, before, state, breaker.last_reason)
+            self._report(replica, before, state, breaker.last_reason)
+
+    def _report(self, replica: str, before: BreakerState, after: BreakerState, why: str) -> None:
+        self._seen_state[replica] = after
+        if self._on_transition:
+            self._on_transition(replica, before, after, why)

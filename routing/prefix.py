@@ -65,6 +65,8 @@ def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: its first prompt stands for the request
+        if prompt is None:
+            return ""
         return prompt if isinstance(prompt, str) else _canonical(prompt)
     return ""
 

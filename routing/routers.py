@@ -109,8 +109,9 @@ class ShunterGuard:
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
         replica = replica_id.unique_id
-        self._routed[pending_request.metadata.internal_request_id] = replica
-        self._shunter.dispatched(replica)
+        request_id = pending_request.metadata.internal_request_id
+        self._routed[request_id] = replica
+        self._shunter.dispatched(replica, request_id)
         state = self._shunter
         if getattr(pending_request, "_shunter_skipped", False):
             metrics.decision(state.model, state.policy, BREAKER_SKIP)
@@ -134,7 +135,7 @@ class ShunterGuard:
         super().on_request_completed(replica_id, internal_request_id)  # type: ignore[misc]
         replica = self._routed.pop(internal_request_id, None)
         if replica is not None:  # rejected attempts were never counted as dispatched
-            self._shunter.completed(replica)
+            self._shunter.completed(replica, internal_request_id)
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
         return self.policy_name

@@ -37,6 +37,7 @@ class DeploymentRouting:
         self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
         self.inflight: dict[str, int] = {}
         self.replicas: set[str] = set()
+        self._probes: set[str] = set()  # request ids holding a half-open probe slot
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
@@ -76,16 +77,19 @@ class DeploymentRouting:
             self.prefix.drop(replica)
             self.inflight.pop(replica, None)
 
-    def dispatched(self, replica: str) -> None:
+    def dispatched(self, replica: str, request_id: str) -> None:
         with self._lock:
             self.inflight[replica] = self.inflight.get(replica, 0) + 1
-            self.breakers.on_dispatch(replica)
+            if self.breakers.on_dispatch(replica):
+                self._probes.add(request_id)
 
-    def completed(self, replica: str) -> None:
+    def completed(self, replica: str, request_id: str) -> None:
         with self._lock:
             if self.inflight.get(replica, 0) > 0:
                 self.inflight[replica] -= 1
-            self.breakers.on_done(replica)
+            if request_id in self._probes:  # only a probe frees a probe slot
+                self._probes.discard(request_id)
+                self.breakers.on_probe_done(replica)
 
     def record_outcome(self, replica: str, failed: bool, why: str = "") -> None:
         with self._lock:

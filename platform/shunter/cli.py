@@ -7,6 +7,7 @@
     shunter bench run ...         measure an OpenAI-compatible endpoint with a seeded workload
     shunter bench compare A B ... result files side by side, with ratios and a plot
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
+    shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
 """
 
@@ -40,16 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
     bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
+    bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "suite"):
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "suite"):
         return _bench(argv[1], argv[2:])  # each benchmark parses its own options
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
 
 def _bench(action: str, argv: list[str]) -> int:
+    if action == "routing":
+        from shunter.cli_bench_routing import main as routing
+
+        return routing(argv)
     if action in ("overhead", "suite"):
         from shunter.cli_bench import main as overhead
         from shunter.cli_bench import suite_main

@@ -303,12 +303,17 @@ def suite_main(argv: list[str] | None = None) -> int:
     shared_options = ["--groups", "4", "--users", "8", "--system-len", "1024", "--question-len", "uniform:16:32",
                       "--output-len", "fixed:32", "--concurrency", "8", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
                       "--label", "shared-prefix 4x8, 1024-token prefixes, c8", "--seed", "0"]
+    from shunter.cli_bench_routing import POLICIES, compare_routing
+
     _, _, path = _model_of(args.config, args.model)
     baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
+    routing = compare_routing(args.config, args.model, list(POLICIES))
     env = environment()
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
+    (args.results / "routing.json").write_text(json.dumps({"benchmark": "routing", **routing, **env}, indent=1))
+    result["routing"] = routing
     img = args.docs / "img"
     plot_latency_cdfs(result["shared_prefix"], img / "shared-prefix-cdf.png", title=result["shared_prefix"]["label"])
     plot_overhead(result["overhead"], baseline["tokens_per_s"], img / "overhead.png")
@@ -320,13 +325,15 @@ def suite_main(argv: list[str] | None = None) -> int:
 def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[str, Any],
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
+    from shunter.cli_bench_routing import routing_section
 
     machine = env["machine"]
     c32 = next(r for r in result["overhead"] if r["concurrency"] == 32)
     shared = result["shared_prefix"]
     return f"""# Benchmarks
 
-Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`. Benchmarks
+Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json` and
+`results/routing.json`. Benchmarks
 report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
 30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
 
@@ -362,4 +369,5 @@ replica: {shared['workload']['groups']} groups of {shared['workload']['requests'
 ```
 
 ![latency CDFs of the shared-prefix run](img/shared-prefix-cdf.png)
-"""
+
+{routing_section(result["routing"])}"""

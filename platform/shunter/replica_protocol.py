@@ -45,7 +45,7 @@ class ReplicaRequest(RouteHint):
 
     @property
     def prompt(self) -> Any:
-        if self.endpoint == "chat" or "prompt" not in self.body:
+        if self.endpoint != "completion" or "prompt" not in self.body:
             raise AttributeError("prompt")
         return self.body["prompt"]
 

@@ -32,6 +32,7 @@ class Duo:
         self.base = base
         self.control = control
         self.replicas: list[str] = []
+        self.metrics_url = ""
 
     def chat(self, content: str, timeout: float = 30) -> httpx.Response:
         return httpx.post(f"{self.base}/v1/chat/completions", timeout=timeout,
@@ -69,7 +70,8 @@ def duo(tmp_path_factory) -> Iterator[Duo]:
     from shunter.config import parse_config
 
     control = tmp_path_factory.mktemp("faults")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    metrics_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "SHUNTER_FAULT_DIR": str(control)}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -85,6 +87,7 @@ def duo(tmp_path_factory) -> Iterator[Duo]:
     })
     serve.run(assemble(cfg, engine_factory=FACTORY), name="breakers", route_prefix="/")
     app = Duo(f"http://127.0.0.1:{port}", control)
+    app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     seen: set[str] = set()
     for _ in range(60):
         resp = app.chat("hello")
@@ -172,3 +175,32 @@ def test_stream_from_a_hanging_replica_fails_over_before_the_first_byte(duo):
         duo.set_mode(bad, "ok")
     time.sleep(COOLDOWN_S)
     duo.wait_serving(bad)
+
+
+def _metric_total(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_routing_and_breaker_metrics_are_exported_through_ray(duo):
+    """After the faults above: breakers opened and closed, retries and breaker skips were counted.
+    Ray exports application metrics with its own `ray_` prefix."""
+    wanted = {
+        ("ray_shunter_breaker_transitions_total", "to", "open"),
+        ("ray_shunter_breaker_transitions_total", "to", "closed"),
+        ("ray_shunter_routing_decisions_total", "reason", "retry"),
+        ("ray_shunter_routing_decisions_total", "reason", "breaker_skip"),
+    }
+    deadline, missing = time.monotonic() + 60, wanted
+    while time.monotonic() < deadline:  # Ray's metrics agent exports every few seconds
+        text = httpx.get(duo.metrics_url, timeout=10).text
+        missing = {w for w in wanted if _metric_total(text, w[0], model="duo", **{w[1]: w[2]}) < 1}
+        if not missing:
+            break
+        time.sleep(3)
+    assert not missing, f"not exported: {sorted(missing)}"
+    assert "ray_shunter_breaker_state{" in text and "ray_shunter_routing_prefix_match_ratio_bucket{" in text

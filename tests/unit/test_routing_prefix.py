@@ -25,7 +25,7 @@ def test_shared_beginning_shares_exactly_the_common_whole_chunks():
     b = prefix_key(common + "y" * (3 * CHUNK), BLOCK)
     assert len(a.keys) == len(b.keys) == 8
     assert a.keys[:5] == b.keys[:5]
-    assert all(ka != kb for ka, kb in zip(a.keys[5:], b.keys[5:]))
+    assert all(ka != kb for ka, kb in zip(a.keys[5:], b.keys[5:], strict=True))
 
 
 def test_divergence_inside_a_chunk_breaks_that_chunk_and_all_after():
@@ -33,7 +33,7 @@ def test_divergence_inside_a_chunk_breaks_that_chunk_and_all_after():
     a = prefix_key(common + "1" * (2 * CHUNK), BLOCK)
     b = prefix_key(common + "2" * (2 * CHUNK), BLOCK)
     assert a.keys[:2] == b.keys[:2]
-    assert all(ka != kb for ka, kb in zip(a.keys[2:], b.keys[2:]))
+    assert all(ka != kb for ka, kb in zip(a.keys[2:], b.keys[2:], strict=True))
 
 
 def test_partial_trailing_chunk_gets_no_key():

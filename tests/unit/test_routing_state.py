@@ -29,7 +29,7 @@ def test_sync_replicas_drops_departed_replicas_state():
     state.sync_replicas(["r1", "r2"])
     for replica in ("r1", "r2"):
         state.record_prefix(replica, KEYS)
-        state.dispatched(replica)
+        state.dispatched(replica, "q1")
         state.record_outcome(replica, failed=True)
     assert not state.allows("r1") and state.load("r1") == 1 and state.matched("r1", KEYS) == 8
     state.sync_replicas(["r2", "r3"])
@@ -50,12 +50,12 @@ def test_capacity_comes_from_reported_kv_cache_blocks():
 
 def test_inflight_counts_dispatches_and_completions():
     state = _state()
-    state.dispatched("r1")
-    state.dispatched("r1")
-    state.completed("r1")
+    state.dispatched("r1", "q2")
+    state.dispatched("r1", "q3")
+    state.completed("r1", "q2")
     assert state.load("r1") == 1
-    state.completed("r1")
-    state.completed("r1")  # never below zero
+    state.completed("r1", "q3")
+    state.completed("r1", "q3")  # never below zero
     assert state.load("r1") == 0
 
 
@@ -63,7 +63,7 @@ def test_forget_drops_a_dead_replicas_prefix_and_load():
     state = _state()
     state.sync_replicas(["r1", "r2"])
     state.record_prefix("r1", KEYS)
-    state.dispatched("r1")
+    state.dispatched("r1", "q4")
     state.forget("r1")
     assert state.replicas == {"r2"} and state.matched("r1", KEYS) == 0 and state.load("r1") == 0
 
@@ -89,9 +89,9 @@ def test_probe_slot_is_taken_by_dispatch_and_freed_by_completion():
     state.record_outcome("r1", failed=True)
     clock.now += 10
     assert state.allows("r1")
-    state.dispatched("r1")
+    state.dispatched("r1", "q5")
     assert not state.allows("r1") and state.unavailable_for_s() == 0.0
-    state.completed("r1")
+    state.completed("r1", "q5")
     assert state.allows("r1")
 
 
@@ -105,3 +105,18 @@ def test_routing_state_is_shared_per_deployment_key(monkeypatch):
     assert second is first and first.block_size == 128 and existing_state(key) is first
     routing_state(key, "x", "least_connections", RoutingConfig())  # None keeps what a router set
     assert first.block_size == 128
+
+
+def test_a_request_from_before_the_open_does_not_free_a_probe_slot():
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1"])
+    state.dispatched("r1", "old")  # a long request goes out while closed: it holds no probe slot
+    state.record_outcome("r1", failed=True)
+    clock.now += 10
+    assert state.allows("r1")
+    state.dispatched("r1", "probe")
+    state.completed("r1", "old")  # the old request ends
+    assert not state.allows("r1"), "the probe is still in flight"
+    state.completed("r1", "probe")
+    assert state.allows("r1")
