@@ -202,9 +202,15 @@ class Gateway:
                         request_id, failure.replica, failure.why)
             routing.record_outcome(failure.replica, True, failure.why)
 
-        def attempt(avoid: tuple[str, ...]) -> Any:
-            return self._attempt(model, ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
-                                                       body=body))
+        async def attempt(avoid: tuple[str, ...]) -> _Started:
+            if avoid and routing.unavailable_for_s() is not None:
+                # The failure just recorded opened the last breaker: nothing is left to retry on.
+                raise ReplicaFailure(avoid[0], "no other replica is in service to retry on")
+            try:
+                return await self._attempt(model, ReplicaRequest(request_id=request_id, avoid=avoid,
+                                                                 endpoint=endpoint, body=body))
+            finally:
+                routing.first_byte(request_id)  # answered or failed: its prefill no longer queues anywhere
 
         try:
             started = await with_failover(attempt, model.routing.retry_once, failed)

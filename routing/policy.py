@@ -1,10 +1,17 @@
 """Replica ranking: pure functions of the candidates' load and cached prefix (no Ray, no clock).
 
-The prefix-aware trade-off is a cost model of time to first token. Sending a request to replica r costs
-the prompt tokens r does not hold (they must be prefilled) plus `load_cost_tokens` for each request
-already in flight on r (it competes for the same engine steps). The cheapest replica wins, so:
+The prefix-aware trade-off is a cost model of time to first token, counted in prompt tokens the engine
+must prefill before this request's first token. Sending a request to replica r costs
 
-- a cache miss everywhere goes to the least loaded replica (not to the one with the smallest cache);
+    the prompt tokens r does not hold (this request's own prefill)
+  + the prefill still pending on r (uncached tokens of requests sent there that have not answered yet)
+  + load_cost_tokens for each request in flight on r (their decode steps share the engine with ours)
+
+A decoding request slows a newcomer by little; a queued cold prefill delays it by the whole prefill.
+Counting both, in one unit, is what lets the model weigh a cache hit against a queue. The cheapest
+replica wins, so:
+
+- a cache miss everywhere goes where the least prefill work is queued (not to the smallest cache);
 - a long cached prefix keeps winning while its replica is moderately busier, and a hot prefix spills
   to the next replica once the extra queue costs more than the prefill it saves; the spill-over replica
   then caches the prefix too, and the hot prefix is served from both;
@@ -31,6 +38,7 @@ class Candidate:
     replica: str
     load: int  # requests in flight on the replica
     matched: int = 0  # leading prefix chunks the replica is believed to hold
+    pending: int = 0  # prompt tokens sent to the replica and not yet prefilled (no first byte back yet)
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ def rank_prefix_aware(
     beyond = [c for c in candidates if c.load - least > max_load_gap]
 
     def cost(c: Candidate) -> tuple[int, int, float]:
-        return key.uncached_tokens(c.matched) + load_cost_tokens * c.load, c.load, rng.random()
+        return key.uncached_tokens(c.matched) + c.pending + load_cost_tokens * c.load, c.load, rng.random()
 
     order = sorted(within, key=cost) + sorted(beyond, key=lambda c: (c.load, rng.random()))
     best, most = order[0], max(c.matched for c in candidates)

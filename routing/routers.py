@@ -64,7 +64,7 @@ class ShunterGuard:
             block_size=spec.get("block_size"),
         )
         self._rng = random.Random()
-        self._routed: dict[str, str] = {}  # internal request id -> replica id, until completed
+        self._routed: dict[str, tuple[str, str]] = {}  # internal id -> (replica, request id), until completed
         super().initialize_state(**kwargs)  # type: ignore[misc]
 
     # ---- candidate filtering ------------------------------------------------------------------
@@ -108,22 +108,24 @@ class ShunterGuard:
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
-        replica = replica_id.unique_id
-        request_id = pending_request.metadata.internal_request_id
-        self._routed[request_id] = replica
-        self._shunter.dispatched(replica, request_id)
-        state = self._shunter
+        replica, state = replica_id.unique_id, self._shunter
+        hint = find_hint(pending_request.args, pending_request.kwargs)
+        # Keyed by the caller's request id when it sent one: the gateway reports the first byte by it.
+        request_id = (hint.request_id if hint is not None and hint.request_id
+                      else pending_request.metadata.internal_request_id)
+        self._routed[pending_request.metadata.internal_request_id] = (replica, request_id)
         if getattr(pending_request, "_shunter_skipped", False):
             metrics.decision(state.model, state.policy, BREAKER_SKIP)
-        hint = find_hint(pending_request.args, pending_request.kwargs)
         if hint is not None and hint.avoid:
             metrics.decision(state.model, state.policy, RETRY)
         if not isinstance(hint, ReplicaRequest):
+            state.dispatched(replica, request_id)
             return
         key = getattr(pending_request, "_shunter_key", None)
         if key is None:
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
         matched = state.matched(replica, key.keys)
+        state.dispatched(replica, request_id, prefill_tokens=key.uncached_tokens(matched))
         if key.chars:
             metrics.prefix_match(state.model, min(1.0, matched * key.chunk_chars / key.chars))
         reason = self._reason(pending_request, replica, matched)
@@ -133,9 +135,9 @@ class ShunterGuard:
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)  # type: ignore[misc]
-        replica = self._routed.pop(internal_request_id, None)
-        if replica is not None:  # rejected attempts were never counted as dispatched
-            self._shunter.completed(replica, internal_request_id)
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None:  # rejected attempts were never counted as dispatched
+            self._shunter.completed(*routed)
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
         return self.policy_name
@@ -179,7 +181,8 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
         if key is None:  # computed once per request, though Ray may ask again after a rejection
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
             pending_request._shunter_key = key
-        candidates = [Candidate(i, self._load(r), state.matched(i, key.keys)) for i, r in by_id.items()]
+        candidates = [Candidate(i, self._load(r), state.matched(i, key.keys), state.pending_prefill(i))
+                      for i, r in by_id.items()]
         ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
                                     self._rng)
         pending_request._shunter_most = max((c.matched for c in candidates), default=0)

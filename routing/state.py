@@ -38,6 +38,8 @@ class DeploymentRouting:
         self.inflight: dict[str, int] = {}
         self.replicas: set[str] = set()
         self._probes: set[str] = set()  # request ids holding a half-open probe slot
+        self._prefill: dict[str, tuple[str, int]] = {}  # request id -> (replica, tokens not yet prefilled)
+        self.pending: dict[str, int] = {}  # replica -> prompt tokens sent and not yet prefilled
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
@@ -46,6 +48,9 @@ class DeploymentRouting:
 
     def load(self, replica: str) -> int:
         return self.inflight.get(replica, 0)
+
+    def pending_prefill(self, replica: str) -> int:
+        return self.pending.get(replica, 0)
 
     def matched(self, replica: str, keys: tuple[bytes, ...]) -> int:
         with self._lock:
@@ -63,6 +68,8 @@ class DeploymentRouting:
             self.breakers.retain(self.replicas)
             for replica in [r for r in self.inflight if r not in self.replicas]:
                 del self.inflight[replica]
+            for replica in [r for r in self.pending if r not in self.replicas]:
+                del self.pending[replica]
             for replica, reported in (stats or {}).items():
                 blocks = reported.get("kv_cache_blocks")
                 if blocks:
@@ -76,20 +83,41 @@ class DeploymentRouting:
             self.replicas.discard(replica)
             self.prefix.drop(replica)
             self.inflight.pop(replica, None)
+            self.pending.pop(replica, None)
 
-    def dispatched(self, replica: str, request_id: str) -> None:
+    def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0) -> None:
         with self._lock:
             self.inflight[replica] = self.inflight.get(replica, 0) + 1
             if self.breakers.on_dispatch(replica):
                 self._probes.add(request_id)
+            if prefill_tokens > 0:
+                self._prefilled(request_id)
+                self._prefill[request_id] = (replica, prefill_tokens)
+                self.pending[replica] = self.pending.get(replica, 0) + prefill_tokens
+
+    def first_byte(self, request_id: str) -> None:
+        """The replica answered (its first chunk, or a whole reply): the request's prefill is done."""
+        with self._lock:
+            self._prefilled(request_id)
 
     def completed(self, replica: str, request_id: str) -> None:
         with self._lock:
             if self.inflight.get(replica, 0) > 0:
                 self.inflight[replica] -= 1
+            self._prefilled(request_id)  # failed or cancelled before answering: its prefill is gone too
             if request_id in self._probes:  # only a probe frees a probe slot
                 self._probes.discard(request_id)
                 self.breakers.on_probe_done(replica)
+
+    def _prefilled(self, request_id: str) -> None:
+        entry = self._prefill.pop(request_id, None)
+        if entry is not None:
+            replica, tokens = entry
+            left = self.pending.get(replica, 0) - tokens
+            if left > 0:
+                self.pending[replica] = left
+            else:
+                self.pending.pop(replica, None)
 
     def record_outcome(self, replica: str, failed: bool, why: str = "") -> None:
         with self._lock:

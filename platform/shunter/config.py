@@ -163,11 +163,12 @@ class RoutingConfig(StrictModel):
         default_factory=dict, description="policy custom only: keyword arguments of its initialize_state."
     )
     load_cost_tokens: int = Field(
-        default=256,
+        default=32,
         ge=0,
         description="prefix_aware trade-off: one request in flight on a replica weighs as much as this many "
-        "uncached prompt tokens. A replica is chosen by least (uncached prompt tokens + load_cost_tokens x "
-        "requests in flight), so a longer cached prefix tolerates a busier replica, up to `max_load_gap`.",
+        "prompt tokens to prefill. A replica is chosen by least (prompt tokens it lacks + prompt tokens sent "
+        "to it and not yet prefilled + load_cost_tokens x requests in flight), so a cached prefix keeps its "
+        "replica until the prefill queued there costs more than prefilling elsewhere, up to `max_load_gap`.",
     )
     max_load_gap: int = Field(
         default=8,

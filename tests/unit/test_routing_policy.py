@@ -142,3 +142,19 @@ def test_hot_prefix_stays_put_while_the_cost_model_says_so():
     # 1024 cached tokens against 256 per request in flight: the holder keeps the first four requests.
     loads = _route_hot_prefix(4, load_cost_tokens=256, max_load_gap=8, seed=0)
     assert sorted(loads.values()) == [0, 4]
+
+
+# ---- pending prefill ------------------------------------------------------------------------------
+
+
+def test_a_cache_miss_goes_where_the_least_prefill_is_queued():
+    ranking = _rank([Candidate("a", 1, 0, pending=1500), Candidate("b", 1, 0, pending=100)])
+    assert ranking.order[0] == "b" and ranking.reason == LEAST_LOADED
+
+
+def test_a_cached_prefix_loses_to_a_prefill_queue_longer_than_the_prefill_it_saves():
+    holds_all = len(KEY.keys)
+    stays = _rank([Candidate("a", 2, holds_all, pending=TOKENS - 200), Candidate("b", 2, 0, pending=0)])
+    assert stays.order[0] == "a" and stays.reason == PREFIX_HIT  # the queue costs less than a cold prefill
+    moves = _rank([Candidate("a", 2, holds_all, pending=TOKENS + 200), Candidate("b", 2, 0, pending=0)])
+    assert moves.order[0] == "b" and moves.reason == LOAD_FALLBACK

@@ -120,3 +120,21 @@ def test_a_request_from_before_the_open_does_not_free_a_probe_slot():
     assert not state.allows("r1"), "the probe is still in flight"
     state.completed("r1", "probe")
     assert state.allows("r1")
+
+
+def test_pending_prefill_counts_until_the_first_byte_or_the_end():
+    state = _state()
+    state.sync_replicas(["r1", "r2"])
+    state.dispatched("r1", "a", prefill_tokens=1000)
+    state.dispatched("r1", "b", prefill_tokens=300)
+    state.dispatched("r2", "c", prefill_tokens=50)
+    assert state.pending_prefill("r1") == 1300 and state.pending_prefill("r2") == 50
+    state.first_byte("a")
+    state.first_byte("a")  # reported twice: counted once
+    assert state.pending_prefill("r1") == 300
+    state.completed("r1", "b")  # ended (failed, cancelled) before answering
+    assert state.pending_prefill("r1") == 0
+    state.dispatched("r2", "c", prefill_tokens=70)  # a retry of the same request replaces its entry
+    assert state.pending_prefill("r2") == 70
+    state.sync_replicas(["r1"])
+    assert state.pending_prefill("r2") == 0
