@@ -1,20 +1,22 @@
 """Replica ranking: pure functions of the candidates' load and cached prefix (no Ray, no clock).
 
-The prefix-aware trade-off is a cost model of time to first token, counted in prompt tokens the engine
-must prefill before this request's first token. Sending a request to replica r costs
+The prefix-aware trade-off is a cost model of delay, counted in prompt tokens to prefill (the engine's
+dominant work on a cache miss). Sending a request to replica r costs
 
-    the prompt tokens r does not hold (this request's own prefill)
-  + the prefill still pending on r (uncached tokens of requests sent there that have not answered yet)
-  + load_cost_tokens for each request in flight on r (their decode steps share the engine with ours)
+    pending(r)                      prefill queued on r ahead of it (sent there, no first byte back yet)
+  + uncached(r) x (1 + load(r))     its own prefill, which also delays each request already on r
+  + load_cost_tokens x load(r)      decode steps it shares with the requests in flight there
 
-A decoding request slows a newcomer by little; a queued cold prefill delays it by the whole prefill.
-Counting both, in one unit, is what lets the model weigh a cache hit against a queue. The cheapest
-replica wins, so:
+A decoding request slows a newcomer by little; a queued cold prefill delays it by the whole prefill; and
+a cold prefill sent to a busy replica delays everyone there. Counting the last term is what keeps a
+warm request from spilling into a cold prefill just because its replica has a prefill queued: under
+load, a cache miss costs the whole replica, not only the request. The cheapest replica wins, so:
 
-- a cache miss everywhere goes where the least prefill work is queued (not to the smallest cache);
-- a long cached prefix keeps winning while its replica is moderately busier, and a hot prefix spills
-  to the next replica once the extra queue costs more than the prefill it saves; the spill-over replica
-  then caches the prefix too, and the hot prefix is served from both;
+- a cache miss everywhere goes where the least prefill is queued and the fewest requests wait (not to
+  the replica with the smallest cache);
+- a cached prefix keeps its replica while the queue there costs less than a cold prefill elsewhere;
+- a hot prefix spills once its replica runs far enough ahead, and the spill-over replica then caches
+  the prefix too;
 - `max_load_gap` bounds the imbalance outright: a replica carrying more than that many requests beyond
   the least loaded one is only ranked after every replica within the gap.
 
@@ -69,7 +71,8 @@ def rank_prefix_aware(
     beyond = [c for c in candidates if c.load - least > max_load_gap]
 
     def cost(c: Candidate) -> tuple[int, int, float]:
-        return key.uncached_tokens(c.matched) + c.pending + load_cost_tokens * c.load, c.load, rng.random()
+        uncached = key.uncached_tokens(c.matched)
+        return c.pending + uncached * (1 + c.load) + load_cost_tokens * c.load, c.load, rng.random()
 
     order = sorted(within, key=cost) + sorted(beyond, key=lambda c: (c.load, rng.random()))
     best, most = order[0], max(c.matched for c in candidates)

@@ -165,10 +165,10 @@ class RoutingConfig(StrictModel):
     load_cost_tokens: int = Field(
         default=32,
         ge=0,
-        description="prefix_aware trade-off: one request in flight on a replica weighs as much as this many "
-        "prompt tokens to prefill. A replica is chosen by least (prompt tokens it lacks + prompt tokens sent "
-        "to it and not yet prefilled + load_cost_tokens x requests in flight), so a cached prefix keeps its "
-        "replica until the prefill queued there costs more than prefilling elsewhere, up to `max_load_gap`.",
+        description="prefix_aware trade-off: the decode work of one request in flight, in prompt tokens to "
+        "prefill. A replica is chosen by least (prefill queued there + prompt tokens it lacks x (1 + requests "
+        "in flight there) + load_cost_tokens x requests in flight), so a cached prefix keeps its replica "
+        "until the queue there costs more than a cold prefill elsewhere, up to `max_load_gap`.",
     )
     max_load_gap: int = Field(
         default=8,

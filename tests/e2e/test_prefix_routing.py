@@ -3,8 +3,9 @@
 - requests sharing a long prefix land on one replica (the `x-shunter-replica` header says which), and
   that engine's prefix-cache hit counter confirms it held the prefix while the other engine saw none
   of them;
-- a burst of concurrent requests on that hot prefix does not pile onto its replica: once the queue
-  there costs more than prefilling elsewhere, the other replica takes some, and caches the prefix too.
+- a burst of concurrent requests on that hot prefix does not pile onto its replica: once that replica
+  runs `routing.max_load_gap` requests ahead (or the prefill queued there costs more than prefilling
+  elsewhere), the other replica takes some, and caches the prefix too.
 
 This app has its own Ray cluster (two engines of one core each), so it runs after the shared app stops.
 """
@@ -113,9 +114,9 @@ def test_a_hot_prefix_spreads_when_its_replica_queues_up(two_replicas):
                           {"role": "user", "content": f"Who delivers batch {7 * q}?"}])
             return raw.headers[HEADER]
 
-        return await asyncio.gather(*(one(q) for q in range(12)))
+        return await asyncio.gather(*(one(q) for q in range(16)))
 
     served = Counter(asyncio.run(burst()))
     assert len(served) == 2, f"a burst on one hot prefix must not pile onto one replica: {served}"
     most = max(served.values())
-    assert most >= 6, f"the replica that caches the prefix should still take the larger share: {served}"
+    assert most >= 9, f"the replica that caches the prefix should still take the larger share: {served}"

@@ -152,9 +152,16 @@ def test_a_cache_miss_goes_where_the_least_prefill_is_queued():
     assert ranking.order[0] == "b" and ranking.reason == LEAST_LOADED
 
 
-def test_a_cached_prefix_loses_to_a_prefill_queue_longer_than_the_prefill_it_saves():
+def test_a_cached_prefix_loses_only_to_an_idle_replica_when_its_queue_outweighs_a_cold_prefill():
     holds_all = len(KEY.keys)
-    stays = _rank([Candidate("a", 2, holds_all, pending=TOKENS - 200), Candidate("b", 2, 0, pending=0)])
+    stays = _rank([Candidate("a", 2, holds_all, pending=TOKENS - 200), Candidate("b", 0, 0, pending=0)])
     assert stays.order[0] == "a" and stays.reason == PREFIX_HIT  # the queue costs less than a cold prefill
-    moves = _rank([Candidate("a", 2, holds_all, pending=TOKENS + 200), Candidate("b", 2, 0, pending=0)])
+    moves = _rank([Candidate("a", 2, holds_all, pending=TOKENS + 200), Candidate("b", 0, 0, pending=0)])
     assert moves.order[0] == "b" and moves.reason == LOAD_FALLBACK
+
+
+def test_a_cold_prefill_on_a_busy_replica_counts_the_delay_it_causes_there():
+    # The same queue ahead, but b has two requests in flight that a cold prefill there would hold up.
+    holds_all = len(KEY.keys)
+    ranking = _rank([Candidate("a", 2, holds_all, pending=TOKENS + 200), Candidate("b", 2, 0, pending=0)])
+    assert ranking.order[0] == "a" and ranking.reason == PREFIX_HIT
