@@ -358,11 +358,11 @@ transformers `generate`, one request at a time, the same prompts and output leng
 {baseline['tokens_per_s']:.1f} output tokens/s ({baseline['requests']} requests). Shunter at 32
 concurrent streams: {c32['shunter']['tokens_per_s']:.1f} tokens/s, **{c32['shunter']['tokens_per_s'] / baseline['tokens_per_s']:.1f}x**.
 
-## 3. Shared-prefix workload (the routing baseline)
+## 3. Shared-prefix workload, one replica
 
 `shunter bench run --workload shared-prefix {shlex.join(shared_options)}` against Shunter with one
 replica: {shared['workload']['groups']} groups of {shared['workload']['requests'] // max(1, shared['workload']['groups'])} users, each group behind one
-1024-token system prompt. Later routing work compares against this run.
+1024-token system prompt. Section 4 spreads the same shape of traffic over two replicas.
 
 ```
 {compare_table([shared])}
