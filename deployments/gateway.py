@@ -99,6 +99,10 @@ class _QueueTimeout(Exception):
     """No replica took the request within gateway.queue_timeout_s."""
 
 
+class _AllReplicasOut(Exception):
+    """Every replica's breaker is open: nothing to send to, or to retry on."""
+
+
 class _NoReplica(Exception):
     """The request failed before any replica took it (none running, deployment failed)."""
 
@@ -189,12 +193,9 @@ class Gateway:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
         routing = self._routing_state(model)
-        blocked_for = routing.unavailable_for_s()
-        if blocked_for is not None:
+        if routing.unavailable_for_s() is not None:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
-            return _error(503, f"every replica of model {model.name!r} is failing and temporarily out of "
-                          "service; retry shortly", code="replicas_unavailable",
-                          headers={"Retry-After": str(max(1, math.ceil(blocked_for)))})
+            return self._all_replicas_out(model, routing)
         request_id = uuid.uuid4().hex
 
         def failed(failure: ReplicaFailure) -> None:
@@ -204,8 +205,7 @@ class Gateway:
 
         async def attempt(avoid: tuple[str, ...]) -> _Started:
             if avoid and routing.unavailable_for_s() is not None:
-                # The failure just recorded opened the last breaker: nothing is left to retry on.
-                raise ReplicaFailure(avoid[0], "no other replica is in service to retry on")
+                raise _AllReplicasOut()  # the failure just recorded opened the last breaker
             try:
                 return await self._attempt(model, ReplicaRequest(request_id=request_id, avoid=avoid,
                                                                  endpoint=endpoint, body=body))
@@ -219,6 +219,8 @@ class Gateway:
             log.warning("model %s: no replica accepted a request within %ss", model.name, timeout)
             return _error(503, f"no replica of model {model.name!r} could take the request within {timeout:g}s"
                           "; retry shortly", code="queue_timeout", headers={"Retry-After": _RETRY_AFTER_S})
+        except _AllReplicasOut:
+            return self._all_replicas_out(model, routing)
         except (ReplicaFailure, _NoReplica) as exc:
             if isinstance(exc, _NoReplica):
                 log.warning("model %s: request failed before any replica took it: %r", model.name, exc.__cause__)
@@ -295,6 +297,12 @@ class Gateway:
         finally:
             if not finished:  # client disconnected or we were cancelled: abort the engine request
                 _cancel(stream)
+
+    def _all_replicas_out(self, model: ModelConfig, routing: DeploymentRouting) -> JSONResponse:
+        wait = routing.unavailable_for_s() or 1.0
+        return _error(503, f"every replica of model {model.name!r} is failing and temporarily out of service; "
+                      "retry shortly", code="replicas_unavailable",
+                      headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
     def _routing_state(self, model: ModelConfig) -> DeploymentRouting:
         """The routing state this process shares with the model's router (breakers, prefix index)."""

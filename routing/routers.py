@@ -146,6 +146,12 @@ class ShunterGuard:
         cached = self._replica_queue_len_cache.get(replica.replica_id)  # type: ignore[attr-defined]
         return cached if cached is not None else self._shunter.load(replica.replica_id.unique_id)
 
+    def _by_least_load(self, allowed: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Ranked groups of one replica each, fewest requests in flight first."""
+        by_id = {r.replica_id.unique_id: r for r in allowed}
+        ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
+        return [[by_id[i]] for i in ranking.order]
+
 
 class LeastConnectionsRouter(ShunterGuard, RequestRouter):
     """The replica with the fewest requests in flight; ties broken at random."""
@@ -154,10 +160,7 @@ class LeastConnectionsRouter(ShunterGuard, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        allowed = self._guard(candidate_replicas, pending_request)
-        by_id = {r.replica_id.unique_id: r for r in allowed}
-        ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
-        return [[by_id[i]] for i in ranking.order]
+        return self._by_least_load(self._guard(candidate_replicas, pending_request))
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
         return LEAST_LOADED
@@ -171,12 +174,11 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         allowed = self._guard(candidate_replicas, pending_request)
+        hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request is not None else None
+        if not isinstance(hint, ReplicaRequest):  # ready(), stats(): no prompt to match
+            return self._by_least_load(allowed)
         by_id = {r.replica_id.unique_id: r for r in allowed}
         state = self._shunter
-        hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request is not None else None
-        if not isinstance(hint, ReplicaRequest):
-            ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
-            return [[by_id[i]] for i in ranking.order]
         key = getattr(pending_request, "_shunter_key", None)
         if key is None:  # computed once per request, though Ray may ask again after a rejection
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
