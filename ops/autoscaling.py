@@ -1,0 +1,89 @@
+"""Queue-depth autoscaling: how many replicas a model version needs, from the work waiting for it.
+
+LLM replicas saturate on their engine's queue, not on CPU: the signal is the requests each engine holds
+(waiting + running, reported by the replicas) plus the requests queued ahead of the replicas. The
+decision is a pure function of that depth, the time and the state carried from the last decision, so
+the arithmetic and the hysteresis are tested without a cluster.
+
+- The need is `ceil(depth / target_per_replica)`, clamped to [min, max].
+- Scaling up waits until the need has stayed higher for `upscale_delay_s` (a burst of one tick does not
+  start an engine), except from zero: a request waiting on a model with no replica starts one at once.
+- Scaling down waits until the need has stayed lower for `downscale_delay_s`, and counts a replica as
+  full already at `downscale_headroom` of its target, so a depth hovering at a boundary does not flap.
+  Down to zero only when nothing at all is waiting or running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ScalingSettings:
+    min_replicas: int
+    max_replicas: int
+    target_per_replica: float  # requests (waiting + running) one replica should carry
+    upscale_delay_s: float
+    downscale_delay_s: float
+    downscale_headroom: float = 0.8  # scaling down must leave replicas at most this full
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
+        if self.target_per_replica <= 0 or not 0 < self.downscale_headroom <= 1:
+            raise ValueError("target_per_replica must be > 0 and downscale_headroom in (0, 1]")
+
+
+@dataclass(frozen=True)
+class ScalingState:
+    """Carried between decisions (Ray keeps it as the policy state, a dict)."""
+
+    up_since: float | None = None  # when the need first rose above the current count
+    down_since: float | None = None  # when it first fell below
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ScalingState:
+        data = data or {}
+        return cls(data.get("up_since"), data.get("down_since"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    state: ScalingState
+    reason: str
+
+
+def replicas_needed(depth: float, target_per_replica: float) -> int:
+    return math.ceil(max(0.0, depth) / target_per_replica)
+
+
+def decide(current: int, depth: float, now: float, settings: ScalingSettings, state: ScalingState) -> Decision:
+    """The replica count to ask for now, given `depth` requests waiting or running for this version."""
+    s = settings
+    up_need = min(s.max_replicas, max(s.min_replicas, replicas_needed(depth, s.target_per_replica)))
+    if current == 0 and depth > 0:
+        return Decision(max(1, up_need), ScalingState(), "scale from zero: requests are waiting")
+    if up_need > current:
+        since = state.up_since if state.up_since is not None else now
+        if now - since >= s.upscale_delay_s:
+            return Decision(up_need, ScalingState(), f"depth {depth:g} needs {up_need} replicas")
+        return Decision(current, ScalingState(up_since=since), f"up to {up_need} pending the upscale delay")
+    down_need = replicas_needed(depth, s.target_per_replica * s.downscale_headroom)
+    if depth > 0:
+        down_need = max(1, down_need)
+    down_need = min(s.max_replicas, max(s.min_replicas, down_need))
+    if down_need < current:
+        since = state.down_since if state.down_since is not None else now
+        if now - since >= s.downscale_delay_s:
+            return Decision(down_need, ScalingState(), f"depth {depth:g} fits {down_need} replicas")
+        return Decision(current, ScalingState(down_since=since), f"down to {down_need} pending the downscale delay")
+    if current < s.min_replicas or current > s.max_replicas:
+        bounded = min(s.max_replicas, max(s.min_replicas, current))
+        return Decision(bounded, ScalingState(), "back within min/max replicas")
+    return Decision(current, ScalingState(), "steady")
