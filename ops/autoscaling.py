@@ -5,7 +5,10 @@ LLM replicas saturate on their engine's queue, not on CPU: the signal is the req
 decision is a pure function of that depth, the time and the state carried from the last decision, so
 the arithmetic and the hysteresis are tested without a cluster.
 
-- The need is `ceil(depth / target_per_replica)`, clamped to [min, max].
+- The need is `ceil(depth / target_per_replica)`, clamped to [min, max]; a count outside [min, max]
+  (a new deployment, changed bounds) moves inside at once.
+- Decisions start from the count Ray is already moving to, not the replicas running now, so holding
+  steady while a new replica starts does not cancel it.
 - Scaling up waits until the need has stayed higher for `upscale_delay_s` (a burst of one tick does not
   start an engine), except from zero: a request waiting on a model with no replica starts one at once.
 - Scaling down waits until the need has stayed lower for `downscale_delay_s`, and counts a replica as
@@ -16,6 +19,7 @@ the arithmetic and the hysteresis are tested without a cluster.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,6 +70,8 @@ def replicas_needed(depth: float, target_per_replica: float) -> int:
 def decide(current: int, depth: float, now: float, settings: ScalingSettings, state: ScalingState) -> Decision:
     """The replica count to ask for now, given `depth` requests waiting or running for this version."""
     s = settings
+    if not s.min_replicas <= current <= s.max_replicas:
+        return Decision(min(s.max_replicas, max(s.min_replicas, current)), ScalingState(), "into min/max replicas")
     up_need = min(s.max_replicas, max(s.min_replicas, replicas_needed(depth, s.target_per_replica)))
     if current == 0 and depth > 0:
         return Decision(max(1, up_need), ScalingState(), "scale from zero: requests are waiting")
@@ -83,7 +89,34 @@ def decide(current: int, depth: float, now: float, settings: ScalingSettings, st
         if now - since >= s.downscale_delay_s:
             return Decision(down_need, ScalingState(), f"depth {depth:g} fits {down_need} replicas")
         return Decision(current, ScalingState(down_since=since), f"down to {down_need} pending the downscale delay")
-    if current < s.min_replicas or current > s.max_replicas:
-        bounded = min(s.max_replicas, max(s.min_replicas, current))
-        return Decision(bounded, ScalingState(), "back within min/max replicas")
     return Decision(current, ScalingState(), "steady")
+
+
+ENGINE_REQUESTS_METRIC = "engine_requests"  # what each ModelServer's record_autoscaling_stats reports
+
+
+def queue_depth(ctx: Any) -> float:
+    """Requests waiting or running in the engines (as the replicas report them) plus those queued at
+    handles ahead of every replica. Before the replicas' own reports arrive, Ray's count of ongoing
+    requests stands in for the engines'."""
+    reported = (ctx.aggregated_metrics or {}).get(ENGINE_REQUESTS_METRIC) or {}
+    if reported:
+        return float(sum(reported.values())) + float(ctx.total_queued_requests or 0)
+    return float(ctx.total_num_requests or 0)
+
+
+class QueueDepthPolicy:
+    """Ray Serve autoscaling policy (`autoscaling_config.policy.policy_function`); Ray builds it once
+    with `policy_kwargs` (the ScalingSettings fields) and calls it on every autoscaling tick."""
+
+    def __init__(self, **settings: Any):
+        self.settings = ScalingSettings(**settings)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        # The count Ray is already moving to, not the replicas running now: holding at the running count
+        # while a new replica starts would cancel that replica.
+        target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
+        decision = decide(int(target), queue_depth(ctx), now, self.settings,
+                          ScalingState.from_dict(ctx.policy_state))
+        return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}

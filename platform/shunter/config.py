@@ -204,6 +204,29 @@ class RoutingConfig(StrictModel):
         return self
 
 
+class AutoscalingConfig(StrictModel):
+    """Replicas of this model follow the work waiting for them: the engines' queues (waiting + running
+    requests each replica reports) plus requests queued ahead of the replicas."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest replicas; 0 allows scale to zero.")
+    max_replicas: int = Field(default=2, ge=1, le=1024, description="Most replicas.")
+    target_queue_per_replica: float = Field(
+        default=16, gt=0, description="Requests (waiting + running in the engine) one replica should carry."
+    )
+    upscale_delay_s: float = Field(
+        default=10.0, ge=0, description="How long the need for more replicas must last before scaling up."
+    )
+    downscale_delay_s: float = Field(
+        default=60.0, ge=0, description="How long the need for fewer replicas must last before scaling down."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
 class ModelConfig(StrictModel):
     """One served model: where its weights come from, what it does, and how it is run."""
 
@@ -218,7 +241,12 @@ class ModelConfig(StrictModel):
     task: Literal["generate", "embed"] = Field(
         default="generate", description="generate: chat and completions; embed: /v1/embeddings."
     )
-    replicas: int = Field(default=1, ge=1, le=1024, description="Engine replicas of this model.")
+    replicas: int = Field(
+        default=1, ge=1, le=1024, description="Engine replicas of this model (a fixed count; see autoscaling)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        default=None, description="Scale replicas on queue depth instead of a fixed `replicas` count."
+    )
     accelerator: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
         description="Where replicas run. auto = gpu when the Ray cluster has GPUs, else cpu.",
@@ -270,6 +298,18 @@ class ModelConfig(StrictModel):
                     f"source {self.source!r} is a {builtin.task} model; set task: {builtin.task}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _one_replica_count(self) -> ModelConfig:
+        # Checked by value, not by "was it set": a dumped config (replicas: 1 filled in) must validate again.
+        if self.autoscaling is not None and self.replicas != 1:
+            raise ValueError("set either replicas (a fixed count) or autoscaling (min/max), not both")
+        return self
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas this model may run (what placement must plan for)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
 
     @model_validator(mode="after")
     def _policy_fits_engine(self) -> ModelConfig:

@@ -76,14 +76,18 @@ class FaultInjectingEngine:
         return EngineReply(200, stream=self._stream(text))
 
     async def _stream(self, text: str) -> AsyncIterator[str]:
-        for i, word in enumerate(text.split()):
-            if i == 3 and "DIE" in text:
-                os._exit(1)  # the replica process dies mid-stream
-            chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
-                     "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
-            yield f"data: {json.dumps(chunk)}\n\n"
-            await asyncio.sleep(0.05)
-        yield "data: [DONE]\n\n"
+        self.unfinished += 1  # like an engine's running requests: the autoscaler's signal
+        try:
+            for i, word in enumerate(text.split()):
+                if i == 3 and "DIE" in text:
+                    os._exit(1)  # the replica process dies mid-stream
+                chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
+                         "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(0.05)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.unfinished -= 1
 
     async def completion(self, body: dict[str, Any]) -> EngineReply:
         return await self.chat({**body, "messages": [{"content": body.get("prompt", "")}]})

@@ -81,3 +81,83 @@ def test_impossible_settings_are_refused(bad):
             "downscale_delay_s": 30, **bad}
     with pytest.raises(ValueError):
         ScalingSettings(**args)
+
+
+# ---- the Ray policy and the config that drives it ----------------------------------------------
+
+
+def _ctx(current: int, engine: dict | None, queued: float = 0, total: float = 0, now: float = 0.0, state=None):
+    from types import SimpleNamespace
+
+    metrics = {"engine_requests": engine} if engine is not None else {}
+    return SimpleNamespace(current_num_replicas=current, target_num_replicas=current, aggregated_metrics=metrics,
+                           total_queued_requests=queued,
+                           total_num_requests=total, current_time=now, policy_state=state or {})
+
+
+def test_policy_reads_the_engines_queues_plus_requests_queued_ahead():
+    from ops.autoscaling import QueueDepthPolicy, queue_depth
+
+    assert queue_depth(_ctx(2, {"a": 10, "b": 7}, queued=5, total=99)) == 22
+    assert queue_depth(_ctx(2, None, total=9)) == 9, "before replicas report, Ray's own count stands in"
+    policy = QueueDepthPolicy(min_replicas=1, max_replicas=3, target_per_replica=8, upscale_delay_s=5,
+                              downscale_delay_s=30)
+    replicas, state = policy(_ctx(1, {"a": 20}, now=100.0))
+    assert replicas == 1 and state["up_since"] == 100.0 and "pending" in state["reason"]
+    replicas, state = policy(_ctx(1, {"a": 20}, now=105.0, state=state))
+    assert replicas == 3
+
+
+def test_autoscaling_config_excludes_a_fixed_count_and_checks_bounds():
+    from shunter.config import ConfigError, parse_config
+
+    smol = {"name": "s", "source": "builtin:smollm2-135m-instruct"}
+    with pytest.raises(ConfigError, match="either replicas"):
+        parse_config({"models": [{**smol, "replicas": 2, "autoscaling": {"max_replicas": 3}}]})
+    with pytest.raises(ConfigError, match="exceeds max_replicas"):
+        parse_config({"models": [{**smol, "autoscaling": {"min_replicas": 3, "max_replicas": 2}}]})
+
+
+def test_plan_hands_ray_the_queue_depth_policy_and_plans_cores_for_the_maximum():
+    from ray import serve
+
+    from deployments.app import ClusterView, plan_deployments
+    from deployments.model_server import ModelServer
+    from shunter.config import parse_config
+
+    cfg = parse_config({"models": [{"name": "s", "source": "builtin:smollm2-135m-instruct",
+                                    "autoscaling": {"min_replicas": 0, "max_replicas": 2}}]})
+    plan = plan_deployments(cfg, ClusterView(has_gpus=False, largest_node_cpus=2))["s"]
+    options = plan["deployment"]
+    assert "num_replicas" not in options and plan["cpu_cores"] == 1, "two replicas may run: one core each"
+    scaling = options["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (0, 2, 1)
+    assert scaling["policy"]["policy_function"] == "ops.autoscaling:QueueDepthPolicy"
+    serve.deployment(ModelServer).options(**options)  # Ray's own schema accepts it (and imports the policy)
+
+
+def test_an_autoscaled_config_survives_a_dump_and_a_second_validation():
+    """The builder hands replicas model_dump()s of the config; they validate them again."""
+    from shunter.config import ModelConfig, parse_config
+
+    cfg = parse_config({"models": [{"name": "s", "source": "builtin:smollm2-135m-instruct",
+                                    "autoscaling": {"max_replicas": 3}}]})
+    again = ModelConfig.model_validate(cfg.models[0].model_dump(mode="json"))
+    assert again.autoscaling is not None and again.autoscaling.max_replicas == 3
+
+
+def test_a_count_outside_the_bounds_moves_inside_at_once():
+    assert _run(0, [(0, 0)]) == [1], "below min_replicas: no upscale delay"
+    assert _run(6, [(0, 0)]) == [4]
+
+
+def test_policy_holds_at_the_target_ray_is_moving_to():
+    """A replica that is starting counts: holding at the running count would cancel it."""
+    from ops.autoscaling import QueueDepthPolicy
+
+    policy = QueueDepthPolicy(min_replicas=1, max_replicas=3, target_per_replica=8, upscale_delay_s=5,
+                              downscale_delay_s=30)
+    ctx = _ctx(1, {"a": 10}, now=0.0)
+    ctx.target_num_replicas = 2  # one running, one starting
+    replicas, _ = policy(ctx)
+    assert replicas == 2

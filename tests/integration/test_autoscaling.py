@@ -1,0 +1,89 @@
+"""Queue-depth autoscaling on a real Ray Serve app whose replicas run the FAKE engine.
+
+The fake engine counts its open streams as its engine queue (what a vLLM replica reports as waiting +
+running requests). A burst of concurrent streams makes the model scale from 1 to 2 replicas; when the
+burst ends it goes back to 1, and every stream of the burst ends complete, across both changes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.live import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
+APP, DEPLOYMENT = "autoscaled", "model-elastic"
+
+
+@pytest.fixture(scope="module")
+def elastic() -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from deployments.app import assemble
+    from shunter.config import parse_config
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = parse_config({"models": [{
+        "name": "elastic", "source": "fake:flaky", "accelerator": "cpu", "cpu_cores_per_replica": 1,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
+                        "upscale_delay_s": 2, "downscale_delay_s": 5},
+    }]})
+    serve.run(assemble(cfg, engine_factory=FACTORY), name=APP, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _running() -> int:
+    from ray import serve
+
+    return serve.status().applications[APP].deployments[DEPLOYMENT].replica_states.get("RUNNING", 0)
+
+
+def _wait_for(replicas: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _running() == replicas:
+            return
+        time.sleep(1)
+    raise AssertionError(f"never reached {replicas} running replicas (now {_running()})")
+
+
+def test_a_burst_scales_up_and_back_down_without_losing_a_stream(elastic):
+    assert _running() == 1
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def stream_until_stopped() -> None:
+        while not stop.is_set():
+            with httpx.stream("POST", f"{elastic}/v1/chat/completions", timeout=60, json={
+                    "model": "elastic", "stream": True,
+                    "messages": [{"role": "user", "content": " ".join(["w"] * 40)}]}) as resp:
+                lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+            outcomes.append("ok" if resp.status_code == 200 and lines[-1] == "data: [DONE]" else
+                            f"{resp.status_code}: {lines[-1:]}")
+
+    threads = [threading.Thread(target=stream_until_stopped) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        _wait_for(2, timeout_s=90)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    _wait_for(1, timeout_s=120)
+    assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:5]
