@@ -10,41 +10,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.live import free_port
+from tests.integration.fake_app import fake_engine_app
 
-ROOT = Path(__file__).resolve().parents[2]
-FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 APP, DEPLOYMENT = "autoscaled", "model-elastic"
 
 
 @pytest.fixture(scope="module")
 def elastic() -> Iterator[str]:
-    import ray
-    from ray import serve
-
-    from deployments.app import assemble
-    from shunter.config import parse_config
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = parse_config({"models": [{
+    args = {"models": [{
         "name": "elastic", "source": "fake:flaky", "accelerator": "cpu", "cpu_cores_per_replica": 1,
         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
                         "upscale_delay_s": 2, "downscale_delay_s": 5},
-    }]})
-    serve.run(assemble(cfg, engine_factory=FACTORY), name=APP, route_prefix="/")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    }]}
+    with fake_engine_app(args, APP) as base:
+        yield base
 
 
 def _running() -> int:

@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port
+from tests.integration.fake_app import fake_engine_app
 
-ROOT = Path(__file__).resolve().parents[2]
-FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 FAILURES_TO_OPEN = 2
 COOLDOWN_S = 3.0
 REPLICA_TIMEOUT_S = 2.0
@@ -63,19 +62,9 @@ class Duo:
 
 @pytest.fixture(scope="module")
 def duo(tmp_path_factory) -> Iterator[Duo]:
-    import ray
-    from ray import serve
-
-    from deployments.app import assemble
-    from shunter.config import parse_config
-
     control = tmp_path_factory.mktemp("faults")
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "SHUNTER_FAULT_DIR": str(control)}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = parse_config({
+    args = {
         "models": [{
             "name": "duo", "source": "fake:flaky", "accelerator": "cpu", "replicas": 2,
             "cpu_cores_per_replica": 1,
@@ -84,24 +73,21 @@ def duo(tmp_path_factory) -> Iterator[Duo]:
                 "breaker": {"consecutive_failures": FAILURES_TO_OPEN, "cooldown_s": COOLDOWN_S},
             },
         }],
-    })
-    serve.run(assemble(cfg, engine_factory=FACTORY), name="breakers", route_prefix="/")
-    app = Duo(f"http://127.0.0.1:{port}", control)
-    app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    seen: set[str] = set()
-    for _ in range(60):
-        resp = app.chat("hello")
-        assert resp.status_code == 200, resp.text
-        seen.add(resp.headers[HEADER])
-        if len(seen) == 2:
-            break
-    app.replicas = sorted(seen)
-    assert len(app.replicas) == 2, "both replicas should get traffic when all is well"
-    try:
+    }
+    with fake_engine_app(args, "breakers", env={"SHUNTER_FAULT_DIR": str(control)},
+                         metrics_port=metrics_port) as base:
+        app = Duo(base, control)
+        app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        seen: set[str] = set()
+        for _ in range(60):
+            resp = app.chat("hello")
+            assert resp.status_code == 200, resp.text
+            seen.add(resp.headers[HEADER])
+            if len(seen) == 2:
+                break
+        app.replicas = sorted(seen)
+        assert len(app.replicas) == 2, "both replicas should get traffic when all is well"
         yield app
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("fault", ["error", "fail500", "hang"])

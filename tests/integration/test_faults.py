@@ -13,48 +13,29 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.live import free_port
+from tests.integration.fake_app import fake_engine_app
 
-ROOT = Path(__file__).resolve().parents[2]
-FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 QUEUE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def fault_app() -> Iterator[str]:
-    import ray
-    from ray import serve
-
-    from deployments.app import assemble
-    from shunter.config import parse_config
-
-    # Replica processes import the fake engine from the repository's tests package.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = parse_config({
+    args = {
         "models": [
             # one request at a time, so a second one has to queue
             {"name": "flaky", "source": "fake:flaky", "accelerator": "cpu", "max_ongoing_requests": 1},
             {"name": "broken", "source": "fake:never-starts", "accelerator": "cpu"},
         ],
         "gateway": {"queue_timeout_s": QUEUE_TIMEOUT_S},
-    })
+    }
     # Not blocking: the app as a whole never reaches RUNNING, since `broken` never starts.
-    serve._run(assemble(cfg, engine_factory=FACTORY), _blocking=False, name="faults", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    _wait(lambda: _ready_models(base).get("flaky", {}).get("ready") is True, 120, "flaky never became ready")
-    try:
+    with fake_engine_app(args, "faults", blocking=False) as base:
+        _wait(lambda: _ready_models(base).get("flaky", {}).get("ready") is True, 120, "flaky never became ready")
         yield base
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _ready_models(base: str) -> dict:
