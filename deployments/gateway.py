@@ -121,6 +121,7 @@ class Gateway:
         self.config = ShunterConfig.model_validate(config)
         self.servers = model_servers
         self.created = int(time.time())
+        self._routing: dict[str, DeploymentRouting] = {}
 
     # ---- probes ---------------------------------------------------------------------------------
 
@@ -306,9 +307,13 @@ class Gateway:
 
     def _routing_state(self, model: ModelConfig) -> DeploymentRouting:
         """The routing state this process shares with the model's router (breakers, prefix index)."""
-        handle = self.servers[model.name]
-        return routing_state(deployment_key(handle.app_name, handle.deployment_name), model.name,
-                             model.routing_policy, model.routing)
+        state = self._routing.get(model.name)
+        if state is None:
+            handle = self.servers[model.name]
+            state = self._routing[model.name] = routing_state(
+                deployment_key(handle.app_name, handle.deployment_name), model.name, model.routing_policy,
+                model.routing)
+        return state
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.config.gateway.max_body_bytes

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from enum import Enum
 
 from shunter.config import BreakerConfig
@@ -106,13 +105,6 @@ class CircuitBreaker:
         return before, BreakerState.OPEN
 
 
-@dataclass
-class BreakerView:
-    replica: str
-    state: BreakerState
-    reason: str
-
-
 class BreakerBoard:
     """The breakers of one deployment's replicas, as one gateway process sees them."""
 
@@ -181,9 +173,6 @@ class BreakerBoard:
                 return None
             waits.append(breaker.retry_after_s())
         return min(waits) if waits else None
-
-    def views(self) -> list[BreakerView]:
-        return [BreakerView(r, b.state, b.last_reason) for r, b in self._breakers.items()]
 
     def _notice(self, replica: str, breaker: CircuitBreaker) -> None:
         """Report a state change once, however it happened (an outcome, or a cooldown running out)."""

@@ -1,7 +1,8 @@
 """Routing metrics, exported through Ray's metrics (so a cluster's Prometheus scrapes them with Ray's).
 
 - `shunter_routing_decisions_total{model, policy, reason}`: one count per placement with its reason
-  (prefix_hit, load_fallback, least_loaded), plus one per breaker skip (breaker_skip: an open replica
+  (prefix_hit, load_fallback, least_loaded; power_of_two and custom policies record their own name),
+  plus one per breaker skip (breaker_skip: an open replica
   was left out) and per failover (retry: the gateway sent a request again after a replica failed).
 - `shunter_routing_prefix_match_ratio{model}`: share of each routed prompt the chosen replica held.
 - `shunter_breaker_state{model, replica}`: 0 closed, 1 half-open, 2 open.

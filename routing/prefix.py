@@ -37,10 +37,6 @@ class PrefixKey:
     chars: int
     chunk_chars: int
 
-    @property
-    def tokens(self) -> int:
-        return max(1, self.chars // CHARS_PER_TOKEN)
-
     def uncached_tokens(self, matched_chunks: int) -> int:
         return max(0, self.chars - matched_chunks * self.chunk_chars) // CHARS_PER_TOKEN
 
@@ -134,9 +130,6 @@ class PrefixIndex:
 
     def size(self, replica: str) -> int:
         return len(self._held.get(replica, ()))
-
-    def replicas(self) -> list[str]:
-        return list(self._held)
 
     def _evict(self, replica: str) -> None:
         held = self._held.get(replica)

@@ -156,6 +156,3 @@ def routing_state(key: str, model: str, policy: str, config: RoutingConfig,
             state.block_size = block_size
         return state
 
-
-def existing_state(key: str) -> DeploymentRouting | None:
-    return _by_deployment.get(key)

@@ -54,14 +54,13 @@ def test_keys_are_chained_so_position_matters():
     assert first[1] != alone[0] and first[1] != second[1] and second[1] != second[0]
 
 
-def test_key_counts_characters_and_tokens():
+def test_key_counts_characters_and_uncached_tokens():
     key = prefix_key(_text(2) + "abc", BLOCK)
     assert key == PrefixKey(key.keys, 2 * CHUNK + 3, CHUNK)
-    assert key.tokens == (2 * CHUNK + 3) // CHARS_PER_TOKEN
     assert key.uncached_tokens(0) == (2 * CHUNK + 3) // CHARS_PER_TOKEN
     assert key.uncached_tokens(2) == 3 // CHARS_PER_TOKEN
     assert key.uncached_tokens(99) == 0
-    assert prefix_key("", BLOCK).tokens == 1  # never zero
+    assert prefix_key("", BLOCK).uncached_tokens(0) == 0  # no prompt, nothing to prefill
 
 
 def test_block_size_sets_the_chunk_length():
@@ -187,14 +186,14 @@ def test_retain_and_drop_forget_replicas():
         index.record(replica, keys)
     index.set_capacity("r3", 5)
     index.retain(["r1", "r2"])
-    assert sorted(index.replicas()) == ["r1", "r2"]
+    assert index.size("r1") == index.size("r2") == 2 and index.size("r3") == 0
     assert index.matched("r3", keys) == 0 and index.capacity("r3") == 10
     index.drop("r1")
-    assert index.replicas() == ["r2"] and index.matched("r1", keys) == 0
+    assert index.size("r1") == 0 and index.size("r2") == 2 and index.matched("r1", keys) == 0
     index.drop("never-seen")  # no error
 
 
 def test_empty_record_is_a_no_op():
     index = PrefixIndex()
     index.record("r", ())
-    assert index.replicas() == [] and index.size("r") == 0
+    assert index.size("r") == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from routing.prefix import CHARS_PER_TOKEN, prefix_key
-from routing.state import DeploymentRouting, deployment_key, existing_state, routing_state
+from routing.state import DeploymentRouting, deployment_key, routing_state
 from shunter.config import BreakerConfig, RoutingConfig
 
 KEYS = prefix_key("k" * (8 * 16 * CHARS_PER_TOKEN), 16).keys  # 8 chunks
@@ -96,13 +96,14 @@ def test_probe_slot_is_taken_by_dispatch_and_freed_by_completion():
 
 
 def test_routing_state_is_shared_per_deployment_key(monkeypatch):
-    monkeypatch.setattr("routing.state._by_deployment", {})  # leave the process's registry as it was
+    registry: dict = {}
+    monkeypatch.setattr("routing.state._by_deployment", registry)  # leave the process's registry as it was
     key = deployment_key("app", "model-x")
-    assert existing_state(key) is None
+    assert key not in registry
     first = routing_state(key, "x", "least_connections", RoutingConfig())
     assert first.block_size == 16  # the gateway does not know the engine's block size
     second = routing_state(key, "x", "least_connections", RoutingConfig(), block_size=128)
-    assert second is first and first.block_size == 128 and existing_state(key) is first
+    assert second is first and first.block_size == 128 and registry[key] is first
     routing_state(key, "x", "least_connections", RoutingConfig())  # None keeps what a router set
     assert first.block_size == 128
 
