@@ -18,6 +18,7 @@ from ray.serve import Application
 
 from deployments.gateway import Gateway
 from deployments.model_server import ModelServer
+from ops.draining import ray_shutdown_timeout_s
 from routing.custom import guarded_path, import_router
 from shunter.config import ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import cores_per_replica
@@ -54,6 +55,9 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
     """Per model: the deployment options and constructor settings. Pure: tested without a cluster."""
     accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
     cpu_replicas = sum(m.most_replicas for m in cfg.models if accelerators[m.name] == "cpu")
+    cpu_cores = {m.name: _cpu_cores(m, cluster, cpu_replicas) for m in cfg.models if accelerators[m.name] == "cpu"}
+    spare_cores = cluster.largest_node_cpus - sum(cpu_cores[m.name] * m.most_replicas for m in cfg.models
+                                                  if m.name in cpu_cores)
     plans: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}
     for model in cfg.models:
@@ -64,11 +68,12 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
         names[name] = model.name
         accel = accelerators[model.name]
         tp, pp = model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size
-        cores = None
+        cores = cpu_cores.get(model.name)
+        surge = model.draining.surge_percent
         if accel == "cpu":
-            cores = model.cpu_cores_per_replica
-            if cores == "auto":
-                cores = max(tp, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
+            assert cores is not None
+            if surge == "auto":
+                surge = 100 if cores * model.most_replicas <= spare_cores else 0
             if cores < tp:
                 raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
                                   f"tensor_parallel_size={tp} ranks; give at least one core per rank")
@@ -96,8 +101,10 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
                 "ray_actor_options": actor_options,
                 "health_check_period_s": 10,
                 "health_check_timeout_s": 30,
-                # Long enough for a max-length stream to finish on CPU; draining proper comes with issue 5.
-                "graceful_shutdown_timeout_s": 120,
+                # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
+                # event, at the drain timeout before that (ops.draining).
+                "graceful_shutdown_timeout_s": ray_shutdown_timeout_s(model.draining.timeout_s),
+                "max_surge_percent": 100 if surge == "auto" else surge,
                 **placement,
             },
             "accelerator": accel,
@@ -129,9 +136,13 @@ def replica_count(model: ModelConfig) -> dict[str, Any]:
             "upscale_delay_s": 0,
             "downscale_delay_s": 0,
             "downscale_to_zero_delay_s": 0,
+            # Ray averages the replicas' reports over this window; the policy has its own delays, so a
+            # short window only makes it see a burst sooner (Ray's default is 30 s).
+            "look_back_period_s": 15,
             "policy": {
                 "policy_function": "ops.autoscaling:QueueDepthPolicy",
                 "policy_kwargs": {
+                    "model": model.name,
                     "min_replicas": scaling.min_replicas,
                     "max_replicas": scaling.max_replicas,
                     "target_per_replica": scaling.target_queue_per_replica,
@@ -171,6 +182,14 @@ def request_router_config(model: ModelConfig, accelerator: str) -> dict[str, Any
     }
 
 
+def _cpu_cores(model: ModelConfig, cluster: ClusterView, cpu_replicas: int) -> int:
+    """Cores each CPU replica of `model` owns: as configured, or auto = the node split evenly."""
+    cores = model.cpu_cores_per_replica
+    if cores == "auto":
+        return max(model.engine.tensor_parallel_size, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
+    return cores
+
+
 def _accelerator(model: ModelConfig, cluster: ClusterView) -> str:
     if model.accelerator != "auto":
         return model.accelerator
@@ -199,9 +218,12 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
                   engine_factory)
         )
     # The gateway computes almost nothing (it relays), so it reserves no CPU a model engine could own.
+    # It relays every model's streams, so it drains as long as the longest-draining model.
     return Gateway.options(
         name="gateway",
         num_replicas=cfg.gateway.replicas,
         max_ongoing_requests=cfg.gateway.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=ray_shutdown_timeout_s(max(m.draining.timeout_s for m in cfg.models)),
+        max_surge_percent=100,
     ).bind(cfg.model_dump(mode="json"), servers)

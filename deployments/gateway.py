@@ -26,6 +26,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ops import metrics as ops_metrics
+from ops.admission import AdmissionGate
+from ops.draining import DrainTracker
 from routing.failover import ReplicaFailure, with_failover
 from routing.state import DeploymentRouting, deployment_key, routing_state
 from shunter.config import ModelConfig, ShunterConfig
@@ -95,8 +98,43 @@ class _Started:
     first_chunk: str | None
 
 
+class _RelayEnd:
+    """What must happen exactly once when a relayed stream ends, however it ends: cancel the replica's
+    work unless the stream finished, count the drain, give the admission slot back. A client that goes
+    away before the response starts means the relay generator never runs (so its `finally` never does
+    either); then this object's `__del__`, when the unstarted generator is dropped, does it instead."""
+
+    def __init__(self, started: _Started, routing: DeploymentRouting, drains: DrainTracker, gate: AdmissionGate):
+        self.stream, self.replica = started.stream, started.replica
+        self.routing, self.drains, self.gate = routing, drains, gate
+        self.done = False
+        drains.opened(self.replica)
+
+    def close(self, finished: bool = False, aborted: bool = False) -> None:
+        if self.done:
+            return
+        self.done = True
+        if not finished:  # client disconnected or we were cancelled: abort the engine request
+            _cancel(self.stream)
+        self.drains.closed(self.replica, self.routing.departed_at(self.replica), aborted)
+        self.gate.release()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class _QueueTimeout(Exception):
-    """No replica took the request within gateway.queue_timeout_s."""
+    """No replica took the request within gateway.queue_timeout_s (or, for a model scaled to zero, within
+    autoscaling.cold_start_timeout_s)."""
+
+    def __init__(self, waited_s: float, cold_start: bool):
+        super().__init__(waited_s, cold_start)
+        self.waited_s = waited_s
+        self.cold_start = cold_start
+
+
+class _DrainTimeout(Exception):
+    """The replica left (scale-down, update, shutdown) and the request ran past the drain timeout."""
 
 
 class _AllReplicasOut(Exception):
@@ -122,6 +160,8 @@ class Gateway:
         self.servers = model_servers
         self.created = int(time.time())
         self._routing: dict[str, DeploymentRouting] = {}
+        self._gates: dict[str, AdmissionGate] = {}
+        self._drains: dict[str, DrainTracker] = {}
 
     # ---- probes ---------------------------------------------------------------------------------
 
@@ -136,6 +176,9 @@ class Gateway:
         timeout = self.config.gateway.ready_timeout_s
 
         async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
+            if self._scaled_to_zero(model):
+                # Probing would start a replica; a model allowed to scale to zero starts on demand.
+                return model.name, {"replicas": 0, "starts_on_demand": True}, None
             try:
                 info = await asyncio.wait_for(self.servers[model.name].ready.remote(), timeout)
                 return model.name, info, None
@@ -197,6 +240,25 @@ class Gateway:
         if routing.unavailable_for_s() is not None:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
             return self._all_replicas_out(model, routing)
+        gate = self._gate(model)
+        capacity = self._capacity(model, routing)
+        retry_after = gate.try_admit(capacity)
+        if retry_after is not None:
+            ops_metrics.rejection(model.name, "queue_full")
+            return _error(429, f"model {model.name!r} is overloaded: {gate.queued(capacity)} requests are "
+                          f"already waiting for a replica; retry in {retry_after}s", code="queue_full",
+                          headers={"Retry-After": str(retry_after)})
+        relayed = False
+        try:
+            response = await self._admitted(model, endpoint, body, routing, gate)
+            relayed = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not relayed:  # a stream releases its admission when the relay ends
+                gate.release()
+
+    async def _admitted(self, model: ModelConfig, endpoint: str, body: dict[str, Any], routing: DeploymentRouting,
+                        gate: AdmissionGate) -> Response:
         request_id = uuid.uuid4().hex
 
         def failed(failure: ReplicaFailure) -> None:
@@ -208,33 +270,44 @@ class Gateway:
             if avoid and routing.unavailable_for_s() is not None:
                 raise _AllReplicasOut()  # the failure just recorded opened the last breaker
             try:
-                return await self._attempt(model, ReplicaRequest(request_id=request_id, avoid=avoid,
-                                                                 endpoint=endpoint, body=body))
+                return await self._attempt(model, routing, ReplicaRequest(request_id=request_id, avoid=avoid,
+                                                                          endpoint=endpoint, body=body))
             finally:
                 routing.first_byte(request_id)  # answered or failed: its prefill no longer queues anywhere
 
         try:
             started = await with_failover(attempt, model.routing.retry_once, failed)
-        except _QueueTimeout:
-            timeout = self.config.gateway.queue_timeout_s
-            log.warning("model %s: no replica accepted a request within %ss", model.name, timeout)
-            return _error(503, f"no replica of model {model.name!r} could take the request within {timeout:g}s"
-                          "; retry shortly", code="queue_timeout", headers={"Retry-After": _RETRY_AFTER_S})
+        except _QueueTimeout as timeout:
+            if timeout.cold_start:
+                ops_metrics.rejection(model.name, "cold_start_timeout")
+                log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
+                            model.name, timeout.waited_s)
+                return _error(503, f"model {model.name!r} is scaled to zero and no replica started within "
+                              f"{timeout.waited_s:g}s; retry shortly", code="cold_start_timeout",
+                              headers={"Retry-After": _RETRY_AFTER_S})
+            ops_metrics.rejection(model.name, "queue_timeout")
+            log.warning("model %s: no replica accepted a request within %ss", model.name, timeout.waited_s)
+            return _error(503, f"no replica of model {model.name!r} could take the request within "
+                          f"{timeout.waited_s:g}s; retry shortly", code="queue_timeout",
+                          headers={"Retry-After": _RETRY_AFTER_S})
         except _AllReplicasOut:
+            ops_metrics.rejection(model.name, "replicas_unavailable")
             return self._all_replicas_out(model, routing)
         except (ReplicaFailure, _NoReplica) as exc:
             if isinstance(exc, _NoReplica):
                 log.warning("model %s: request failed before any replica took it: %r", model.name, exc.__cause__)
+            ops_metrics.rejection(model.name, "model_unavailable")
             return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
                           code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
         headers = {REPLICA_HEADER: started.replica}
         if not started.head["stream"]:
             routing.record_outcome(started.replica, False)
             return JSONResponse(started.head["body"], status_code=started.head["status"], headers=headers)
-        return StreamingResponse(self._relay(started, model, routing), media_type="text/event-stream",
+        relay = _RelayEnd(started, routing, self._drain_tracker(model), gate)
+        return StreamingResponse(self._relay(started, model, routing, relay), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
-    async def _attempt(self, model: ModelConfig, request: ReplicaRequest) -> _Started:
+    async def _attempt(self, model: ModelConfig, routing: DeploymentRouting, request: ReplicaRequest) -> _Started:
         """Send once and wait for the replica's first answer: the reply head, and for a stream its first
         chunk too, so a replica that fails before any byte reaches the client can be failed over."""
         stream = None
@@ -242,25 +315,32 @@ class Gateway:
             stream = self.servers[model.name].options(stream=True).handle.remote(request)
             # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
             # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
+            cold_start = self._scaled_to_zero(model)
+            wait = self.config.gateway.queue_timeout_s
+            if cold_start and model.autoscaling is not None:
+                wait = model.autoscaling.cold_start_timeout_s
             try:
-                accepted = await asyncio.wait_for(stream.__anext__(), self.config.gateway.queue_timeout_s)
+                accepted = await asyncio.wait_for(stream.__anext__(), wait)
             except asyncio.TimeoutError:
-                raise _QueueTimeout() from None
+                raise _QueueTimeout(wait, cold_start) from None
             except Exception as exc:  # noqa: BLE001 - no replica, replica gone before taking it
                 raise _NoReplica() from exc
             if not isinstance(accepted, Accepted):
                 raise _NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
             replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
             try:
-                head = await asyncio.wait_for(stream.__anext__(), timeout)
+                head = await self._next(stream, model, routing, replica)
                 first = None
                 if head["stream"]:
                     try:
-                        first = await asyncio.wait_for(stream.__anext__(), timeout)
+                        first = await self._next(stream, model, routing, replica)
                     except StopAsyncIteration:
                         first = None
             except asyncio.TimeoutError:
                 raise ReplicaFailure(replica, f"sent nothing for {timeout:g}s (hung?)") from None
+            except _DrainTimeout:
+                raise ReplicaFailure(replica, f"left and had not answered within the drain timeout of "
+                                     f"{model.draining.timeout_s:g}s") from None
             except Exception as exc:  # noqa: BLE001 - replica died, engine raised: the replica's fault
                 raise ReplicaFailure(replica, f"{type(exc).__name__}: {exc}"[:300]) from None
             if head["status"] >= 500:
@@ -271,22 +351,57 @@ class Gateway:
             _cancel(stream)
             raise
 
-    async def _relay(self, started: _Started, model: ModelConfig, routing: DeploymentRouting) -> AsyncIterator[str]:
+    async def _next(self, stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str) -> Any:
+        """The replica's next item. Raises asyncio.TimeoutError after `replica_timeout_s` of silence, and
+        _DrainTimeout once the replica has left the running set for longer than the drain timeout (checked
+        every second, so a replica that leaves mid-wait is noticed)."""
+        silent_until = time.monotonic() + model.routing.replica_timeout_s
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                now = time.monotonic()
+                departed = routing.departed_at(replica)
+                drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
+                if now >= drain_until:
+                    raise _DrainTimeout()
+                if now >= silent_until:
+                    raise asyncio.TimeoutError()
+                done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, now + 1.0) - now)
+                if done:
+                    return pending.result()
+        finally:
+            if not pending.done():
+                pending.cancel()
+
+    async def _relay(self, started: _Started, model: ModelConfig, routing: DeploymentRouting,
+                     end: _RelayEnd) -> AsyncIterator[str]:
         """SSE chunks from the replica to the client. A client that goes away cancels the replica's work;
-        a replica that breaks or goes silent mid-stream ends the stream with an explicit error event."""
-        finished = False
+        a replica that breaks or goes silent mid-stream ends the stream with an explicit error event, and
+        so does a stream still running when its leaving replica's drain timeout is up."""
+        finished = aborted = False
         stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
         try:
             if started.first_chunk is not None:
                 yield started.first_chunk
             while True:
                 try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), timeout)
+                    chunk = await self._next(stream, model, routing, replica)
                 except StopAsyncIteration:
                     break
                 yield chunk
             finished = True
             routing.record_outcome(replica, False)
+        except _DrainTimeout:
+            aborted = True
+            drain = model.draining.timeout_s
+            log.warning("model %s: stream from leaving replica %s still ran at the drain timeout (%gs); "
+                        "aborted", model.name, replica, drain)
+            _cancel(stream)
+            err = error_body(f"the replica serving this stream of model {model.name!r} was stopped (scale-down, "
+                             f"update or shutdown) and the stream ran past the drain timeout of {drain:g}s",
+                             503, code="replica_drain_timeout")
+            yield f"data: {json.dumps(err)}\n\n"
+            finished = True
         except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
             why = f"sent nothing for {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
             log.warning("model %s: stream from replica %s broke mid-way: %s", model.name, replica, why)
@@ -296,14 +411,41 @@ class Gateway:
             yield f"data: {json.dumps(err)}\n\n"
             finished = True
         finally:
-            if not finished:  # client disconnected or we were cancelled: abort the engine request
-                _cancel(stream)
+            end.close(finished, aborted)
 
     def _all_replicas_out(self, model: ModelConfig, routing: DeploymentRouting) -> JSONResponse:
         wait = routing.unavailable_for_s() or 1.0
         return _error(503, f"every replica of model {model.name!r} is failing and temporarily out of service; "
                       "retry shortly", code="replicas_unavailable",
                       headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+    def _scaled_to_zero(self, model: ModelConfig) -> bool:
+        """The model may scale to zero and this gateway knows of no running replica."""
+        return (model.autoscaling is not None and model.autoscaling.min_replicas == 0
+                and not self._routing_state(model).replicas)
+
+    def _capacity(self, model: ModelConfig, routing: DeploymentRouting) -> int:
+        """Requests the model's running replicas take at once: this gateway's share. Until a router has
+        reported the running replicas (the first requests after a gateway starts), the configured
+        count stands in for them."""
+        if routing.synced:
+            replicas = len(routing.replicas)
+        else:
+            replicas = model.autoscaling.min_replicas if model.autoscaling else model.replicas
+        return replicas * model.max_ongoing_requests // self.config.gateway.replicas
+
+    def _gate(self, model: ModelConfig) -> AdmissionGate:
+        gate = self._gates.get(model.name)
+        if gate is None:
+            bound = math.ceil(model.admission.max_queued_requests / self.config.gateway.replicas)
+            gate = self._gates[model.name] = AdmissionGate(bound)
+        return gate
+
+    def _drain_tracker(self, model: ModelConfig) -> DrainTracker:
+        tracker = self._drains.get(model.name)
+        if tracker is None:
+            tracker = self._drains[model.name] = DrainTracker(model.name)
+        return tracker
 
     def _routing_state(self, model: ModelConfig) -> DeploymentRouting:
         """The routing state this process shares with the model's router (breakers, prefix index)."""

@@ -13,7 +13,8 @@ the arithmetic and the hysteresis are tested without a cluster.
   start an engine), except from zero: a request waiting on a model with no replica starts one at once.
 - Scaling down waits until the need has stayed lower for `downscale_delay_s`, and counts a replica as
   full already at `downscale_headroom` of its target, so a depth hovering at a boundary does not flap.
-  Down to zero only when nothing at all is waiting or running.
+  Down to zero only when nothing at all is waiting or running, and never while a replica is still
+  starting (its start would be wasted; the delay counts from when every replica runs).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ops import metrics
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ def replicas_needed(depth: float, target_per_replica: float) -> int:
     return math.ceil(max(0.0, depth) / target_per_replica)
 
 
-def decide(current: int, depth: float, now: float, settings: ScalingSettings, state: ScalingState) -> Decision:
-    """The replica count to ask for now, given `depth` requests waiting or running for this version."""
+def decide(current: int, depth: float, now: float, settings: ScalingSettings, state: ScalingState,
+           starting: int = 0) -> Decision:
+    """The replica count to ask for now, given `depth` requests waiting or running for this version and
+    `starting` of the `current` replicas not running yet."""
     s = settings
     if not s.min_replicas <= current <= s.max_replicas:
         return Decision(min(s.max_replicas, max(s.min_replicas, current)), ScalingState(), "into min/max replicas")
@@ -84,6 +89,10 @@ def decide(current: int, depth: float, now: float, settings: ScalingSettings, st
     if depth > 0:
         down_need = max(1, down_need)
     down_need = min(s.max_replicas, max(s.min_replicas, down_need))
+    if down_need < current and starting > 0:
+        # A replica still starting has not had its chance to take work: stopping it now would waste the
+        # start (a min-0 model's first replica, or one whose burst passed while it loaded).
+        return Decision(current, ScalingState(), f"down to {down_need} once starting replicas run")
     if down_need < current:
         since = state.down_since if state.down_since is not None else now
         if now - since >= s.downscale_delay_s:
@@ -107,9 +116,11 @@ def queue_depth(ctx: Any) -> float:
 
 class QueueDepthPolicy:
     """Ray Serve autoscaling policy (`autoscaling_config.policy.policy_function`); Ray builds it once
-    with `policy_kwargs` (the ScalingSettings fields) and calls it on every autoscaling tick."""
+    with `policy_kwargs` (the model's name and the ScalingSettings fields) and calls it on every
+    autoscaling tick, in the Serve controller. Each decision is exported (see `ops.metrics`)."""
 
-    def __init__(self, **settings: Any):
+    def __init__(self, model: str = "", **settings: Any):
+        self.model = model
         self.settings = ScalingSettings(**settings)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -117,6 +128,9 @@ class QueueDepthPolicy:
         # The count Ray is already moving to, not the replicas running now: holding at the running count
         # while a new replica starts would cancel that replica.
         target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
-        decision = decide(int(target), queue_depth(ctx), now, self.settings,
-                          ScalingState.from_dict(ctx.policy_state))
+        depth = queue_depth(ctx)
+        running = int(ctx.current_num_replicas or 0)
+        decision = decide(int(target), depth, now, self.settings, ScalingState.from_dict(ctx.policy_state),
+                          starting=max(0, int(target) - running))
+        metrics.autoscaling(self.model, decision.replicas, running, depth)
         return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}

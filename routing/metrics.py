@@ -8,58 +8,46 @@
 - `shunter_breaker_state{model, replica}`: 0 closed, 1 half-open, 2 open.
 - `shunter_breaker_transitions_total{model, replica, to}`.
 
-Outside a Ray worker (unit tests, the CLI) the objects are not created and every call is a no-op.
+Outside a Ray worker every call is a no-op (see `shunter.ray_metrics`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-log = logging.getLogger("ray.serve")
+from shunter.ray_metrics import LazyMetrics
 
 _RATIO_BUCKETS = [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99]
-_metrics: dict[str, Any] | None = None
 
 
-def _get() -> dict[str, Any] | None:
-    global _metrics
-    if _metrics is not None:
-        return _metrics
-    try:
-        import ray
-        from ray.util import metrics
+def _build(metrics: Any) -> dict[str, Any]:
+    return {
+        "decisions": metrics.Counter(
+            "shunter_routing_decisions_total",
+            description="Routing decisions by reason (prefix_hit, load_fallback, least_loaded, "
+            "breaker_skip, retry).",
+            tag_keys=("model", "policy", "reason"),
+        ),
+        "match": metrics.Histogram(
+            "shunter_routing_prefix_match_ratio",
+            description="Share of each routed prompt that the chosen replica held in its KV cache.",
+            boundaries=_RATIO_BUCKETS,
+            tag_keys=("model",),
+        ),
+        "breaker": metrics.Gauge(
+            "shunter_breaker_state",
+            description="Circuit breaker per replica: 0 closed, 1 half-open, 2 open.",
+            tag_keys=("model", "replica"),
+        ),
+        "transitions": metrics.Counter(
+            "shunter_breaker_transitions_total",
+            description="Circuit breaker state changes per replica.",
+            tag_keys=("model", "replica", "to"),
+        ),
+    }
 
-        if not ray.is_initialized():
-            return None
-        _metrics = {
-            "decisions": metrics.Counter(
-                "shunter_routing_decisions_total",
-                description="Routing decisions by reason (prefix_hit, load_fallback, least_loaded, "
-                "breaker_skip, retry).",
-                tag_keys=("model", "policy", "reason"),
-            ),
-            "match": metrics.Histogram(
-                "shunter_routing_prefix_match_ratio",
-                description="Share of each routed prompt that the chosen replica held in its KV cache.",
-                boundaries=_RATIO_BUCKETS,
-                tag_keys=("model",),
-            ),
-            "breaker": metrics.Gauge(
-                "shunter_breaker_state",
-                description="Circuit breaker per replica: 0 closed, 1 half-open, 2 open.",
-                tag_keys=("model", "replica"),
-            ),
-            "transitions": metrics.Counter(
-                "shunter_breaker_transitions_total",
-                description="Circuit breaker state changes per replica.",
-                tag_keys=("model", "replica", "to"),
-            ),
-        }
-    except Exception:  # noqa: BLE001 - metrics must never break routing
-        log.debug("routing metrics unavailable", exc_info=True)
-        return None
-    return _metrics
+
+_get = LazyMetrics(_build).get
 
 
 def decision(model: str, policy: str, reason: str) -> None:

@@ -35,8 +35,11 @@ class DeploymentRouting:
         self.block_size = block_size
         self.prefix = PrefixIndex()
         self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
+        self.clock = clock
         self.inflight: dict[str, int] = {}
         self.replicas: set[str] = set()
+        self.synced = False  # whether a router has told this process the running replicas yet
+        self._departed: dict[str, float] = {}  # replica -> when it left the running set (it is draining)
         self._probes: set[str] = set()  # request ids holding a half-open probe slot
         self._prefill: dict[str, tuple[str, int]] = {}  # request id -> (replica, tokens not yet prefilled)
         self.pending: dict[str, int] = {}  # replica -> prompt tokens sent and not yet prefilled
@@ -63,7 +66,15 @@ class DeploymentRouting:
     def sync_replicas(self, replicas: Iterable[str], stats: dict[str, dict[str, Any]] | None = None) -> None:
         """The deployment's running replicas changed (or reported new routing stats)."""
         with self._lock:
-            self.replicas = set(replicas)
+            now = self.clock()
+            current = set(replicas)
+            for replica in self.replicas - current:
+                self._departed.setdefault(replica, now)
+            for replica, since in list(self._departed.items()):
+                if now - since > _DEPARTED_KEPT_S:
+                    del self._departed[replica]
+            self.replicas = current
+            self.synced = True
             self.prefix.retain(self.replicas)
             self.breakers.retain(self.replicas)
             for replica in [r for r in self.inflight if r not in self.replicas]:
@@ -77,9 +88,16 @@ class DeploymentRouting:
                 if reported.get("block_size"):
                     self.block_size = int(reported["block_size"])
 
+    def departed_at(self, replica: str) -> float | None:
+        """When `replica` left the running set (Ray is stopping it; it drains), or None if it has not."""
+        with self._lock:
+            return self._departed.get(replica)
+
     def forget(self, replica: str) -> None:
         """A replica died: nothing it held survives it."""
         with self._lock:
+            if replica in self.replicas:
+                self._departed.setdefault(replica, self.clock())
             self.replicas.discard(replica)
             self.prefix.drop(replica)
             self.inflight.pop(replica, None)
@@ -135,6 +153,9 @@ class DeploymentRouting:
         level("model %s replica %s: breaker %s -> %s (%s)", self.model, replica, before.value, after.value, why)
         metrics.breaker_state(self.model, replica, after.level, to=after.value)
 
+
+# Departures are remembered this long: far past any drain timeout, and bounded for long-lived gateways.
+_DEPARTED_KEPT_S = 6 * 3600.0
 
 _lock = threading.Lock()
 _by_deployment: dict[str, DeploymentRouting] = {}

@@ -219,12 +219,57 @@ class AutoscalingConfig(StrictModel):
     downscale_delay_s: float = Field(
         default=60.0, ge=0, description="How long the need for fewer replicas must last before scaling down."
     )
+    cold_start_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="min_replicas 0 only: how long a request to a model scaled to zero is held while a "
+        "replica starts; then 503 with Retry-After. An engine start on CPU takes about a minute.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
         return self
+
+
+class AdmissionConfig(StrictModel):
+    """How much work may wait for this model before new requests are turned away."""
+
+    max_queued_requests: int = Field(
+        default=128,
+        ge=0,
+        description="Requests that may wait for a replica slot beyond what the running replicas take at "
+        "once (replicas x max_ongoing_requests). Past it, new requests get 429 with Retry-After; admitted "
+        "requests are never affected. Split evenly across gateway replicas.",
+    )
+
+
+class DrainingConfig(StrictModel):
+    """What happens to a replica that leaves: scale-down, update, version retirement, shutdown."""
+
+    timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long a leaving replica's in-flight requests and streams may run on; then they are "
+        "aborted with a `replica_drain_timeout` error. The default covers a full 2,048-token stream at the "
+        "~13 tokens/s a stream gets on a fully loaded CPU engine (about 160 s), with room to spare.",
+    )
+    surge_percent: int | Literal["auto"] = Field(
+        default="auto",
+        description="Replicas replaced by an update start before the old ones stop, up to this share "
+        "(0-100) of the replica count (Ray Serve's max_surge_percent); 0 = stop first, then start (Ray's "
+        "default: a one-replica model serves nothing meanwhile). auto = 100, except on CPU when the node "
+        "has no spare cores for the extra replicas (a replacement that cannot be placed would stall the "
+        "update), then 0.",
+    )
+
+    @field_validator("surge_percent")
+    @classmethod
+    def _surge_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 0 <= value <= 100:
+            raise ValueError("must be 0-100, or 'auto'")
+        return value
 
 
 class ModelConfig(StrictModel):
@@ -260,6 +305,12 @@ class ModelConfig(StrictModel):
         default=64, ge=1, description="Requests one replica accepts at once (Ray Serve's per-replica cap)."
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="When new requests are refused with 429 (overload)."
+    )
+    draining: DrainingConfig = Field(
+        default_factory=DrainingConfig, description="How replicas leave without cutting answers."
+    )
     routing: RoutingConfig = Field(
         default_factory=RoutingConfig, description="Replica choice, circuit breakers and failover."
     )

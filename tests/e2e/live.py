@@ -1,4 +1,5 @@
-"""Helpers for the e2e tests: the shipped config, free ports, readiness polling, a live app's clients."""
+"""Helpers for the e2e tests: the shipped config, free ports, readiness polling, a live app's clients,
+Prometheus scrapes, replica counts."""
 
 from __future__ import annotations
 
@@ -47,6 +48,47 @@ def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, A
     raise TimeoutError(f"{base_url} not ready after {timeout_s}s; last answer: {last}")
 
 
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape_until(url: str, wanted: list[tuple[str, dict[str, str]]], at_least: float = 1,
+                 timeout_s: float = 120) -> str:
+    """Scrape `url` until every (metric, labels) in `wanted` sums to `at_least`; returns the last scrape.
+    Ray's metrics agent exports every few seconds, so a fresh count shows up late."""
+    deadline, missing, text = time.monotonic() + timeout_s, wanted, ""
+    while time.monotonic() < deadline:
+        text = httpx.get(url, timeout=10).text
+        missing = [(name, labels) for name, labels in wanted if metric_total(text, name, **labels) < at_least]
+        if not missing:
+            return text
+        time.sleep(3)
+    raise AssertionError(f"not exported (>= {at_least}): {missing}")
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    """RUNNING replicas of a deployment, as `serve status` shows them."""
+    from ray import serve
+
+    status = serve.status().applications[app].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def wait_replicas(app: str, deployment: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if running_replicas(app, deployment) == count:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{deployment} never reached {count} running replicas "
+                         f"(now {running_replicas(app, deployment)})")
+
+
 @dataclass
 class LiveApp:
     base_url: str
@@ -58,12 +100,13 @@ class LiveApp:
     def openai(self, **kwargs: Any):
         import openai
 
-        return openai.OpenAI(base_url=self.v1, api_key="unused", max_retries=0, timeout=120, **kwargs)
+        return openai.OpenAI(**{"base_url": self.v1, "api_key": "unused", "max_retries": 0, "timeout": 120, **kwargs})
 
     def async_openai(self, **kwargs: Any):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.v1, api_key="unused", max_retries=0, timeout=300, **kwargs)
+        return openai.AsyncOpenAI(**{"base_url": self.v1, "api_key": "unused", "max_retries": 0, "timeout": 300,
+                                     **kwargs})
 
     def model_handle(self, model: str):
         from ray import serve

@@ -7,12 +7,15 @@ EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the m
 - `fake:flaky`: echoes the last message word by word (as an SSE chat stream when asked to stream). A
   message containing "DIE" makes the replica process exit after three chunks (a crash mid-stream); one
   containing "BAD" gets a 400 (a client error, which must never count against the replica).
+  A word `pace=<seconds>` in the message sets the delay between words (default 0.05 s), for long
+  streams; with it, a non-streamed reply takes as long as its stream would (else it is instant).
 - `fake:never-starts`: raises during start-up, every time.
 
 Per-replica faults, switched by the test while the app runs: when the environment names a control
 directory (`SHUNTER_FAULT_DIR`), the file `<dir>/<replica id>` holds this replica's mode: `ok`, `error`
 (the engine raises), `fail500` (the engine answers 500) or `hang` (the engine never answers). Each
 request a replica receives appends a line to `<dir>/<replica id>.calls`, so tests can count attempts.
+A file `<dir>/start-delay` holding seconds makes every replica that starts from then on take that long.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class FaultInjectingEngine:
             raise RuntimeError("fault injection: this engine never starts")
         from ray import serve
 
+        control = os.environ.get("SHUNTER_FAULT_DIR")
+        delay = Path(control, "start-delay") if control else None
+        if delay is not None and delay.exists():
+            await asyncio.sleep(float(delay.read_text().strip() or 0))
         return cls(spec, serve.get_replica_context().replica_id.unique_id)
 
     def _mode(self) -> str:
@@ -70,6 +77,8 @@ class FaultInjectingEngine:
         if mode == "hang":
             await asyncio.sleep(3600)
         if not body.get("stream"):
+            if (pace := _pace(text)) is not None:
+                await asyncio.sleep(pace * len(text.split()))
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "finish_reason": "stop"}]})
@@ -84,7 +93,7 @@ class FaultInjectingEngine:
                 chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
                          "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(_pace(text) or 0.05)
             yield "data: [DONE]\n\n"
         finally:
             self.unfinished -= 1
@@ -115,3 +124,10 @@ class FaultInjectingEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+def _pace(text: str) -> float | None:
+    for word in text.split():
+        if word.startswith("pace="):
+            return float(word[len("pace="):])
+    return None

@@ -8,12 +8,12 @@ burst ends it goes back to 1, and every stream of the burst ends complete, acros
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.e2e.live import running_replicas, wait_replicas
 from tests.integration.fake_app import fake_engine_app
 
 APP, DEPLOYMENT = "autoscaled", "model-elastic"
@@ -30,23 +30,8 @@ def elastic() -> Iterator[str]:
         yield base
 
 
-def _running() -> int:
-    from ray import serve
-
-    return serve.status().applications[APP].deployments[DEPLOYMENT].replica_states.get("RUNNING", 0)
-
-
-def _wait_for(replicas: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _running() == replicas:
-            return
-        time.sleep(1)
-    raise AssertionError(f"never reached {replicas} running replicas (now {_running()})")
-
-
 def test_a_burst_scales_up_and_back_down_without_losing_a_stream(elastic):
-    assert _running() == 1
+    assert running_replicas(APP, DEPLOYMENT) == 1
     stop = threading.Event()
     outcomes: list[str] = []
 
@@ -63,10 +48,10 @@ def test_a_burst_scales_up_and_back_down_without_losing_a_stream(elastic):
     for t in threads:
         t.start()
     try:
-        _wait_for(2, timeout_s=90)
+        wait_replicas(APP, DEPLOYMENT, 2, timeout_s=90)
     finally:
         stop.set()
         for t in threads:
             t.join()
-    _wait_for(1, timeout_s=120)
+    wait_replicas(APP, DEPLOYMENT, 1, timeout_s=120)
     assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:5]

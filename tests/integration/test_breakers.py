@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.live import free_port
+from tests.e2e.live import free_port, scrape_until
 from tests.integration.fake_app import fake_engine_app
 
 FAILURES_TO_OPEN = 2
@@ -163,15 +163,6 @@ def test_stream_from_a_hanging_replica_fails_over_before_the_first_byte(duo):
     duo.wait_serving(bad)
 
 
-def _metric_total(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_routing_and_breaker_metrics_are_exported_through_ray(duo):
     """After the faults above: breakers opened and closed, retries and breaker skips were counted.
     Ray exports application metrics with its own `ray_` prefix."""
@@ -181,12 +172,5 @@ def test_routing_and_breaker_metrics_are_exported_through_ray(duo):
         ("ray_shunter_routing_decisions_total", "reason", "retry"),
         ("ray_shunter_routing_decisions_total", "reason", "breaker_skip"),
     }
-    deadline, missing = time.monotonic() + 60, wanted
-    while time.monotonic() < deadline:  # Ray's metrics agent exports every few seconds
-        text = httpx.get(duo.metrics_url, timeout=10).text
-        missing = {w for w in wanted if _metric_total(text, w[0], model="duo", **{w[1]: w[2]}) < 1}
-        if not missing:
-            break
-        time.sleep(3)
-    assert not missing, f"not exported: {sorted(missing)}"
+    text = scrape_until(duo.metrics_url, [(name, {"model": "duo", key: value}) for name, key, value in wanted])
     assert "ray_shunter_breaker_state{" in text and "ray_shunter_routing_prefix_match_ratio_bucket{" in text

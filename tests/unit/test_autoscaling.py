@@ -161,3 +161,25 @@ def test_policy_holds_at_the_target_ray_is_moving_to():
     ctx.target_num_replicas = 2  # one running, one starting
     replicas, _ = policy(ctx)
     assert replicas == 2
+
+
+def test_no_scale_down_while_a_replica_is_still_starting():
+    """A min-0 model's first replica (or one started for a burst that passed) is not stopped mid-start;
+    the downscale delay counts from when every replica runs."""
+    from ops.autoscaling import QueueDepthPolicy
+
+    policy = QueueDepthPolicy(model="m", min_replicas=0, max_replicas=2, target_per_replica=8, upscale_delay_s=5,
+                              downscale_delay_s=5)
+    ctx = _ctx(0, None, now=0.0)
+    ctx.target_num_replicas = 1  # starting, not running
+    for now in (0.0, 10.0, 60.0):
+        ctx.current_time = now
+        replicas, state = policy(ctx)
+        assert replicas == 1, now
+        ctx.policy_state = state
+    ctx.current_num_replicas = 1  # it runs now: the delay starts
+    ctx.current_time = 61.0
+    replicas, ctx.policy_state = policy(ctx)
+    assert replicas == 1
+    ctx.current_time = 67.0
+    assert policy(ctx)[0] == 0

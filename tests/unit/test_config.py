@@ -157,3 +157,12 @@ def test_cli_config_check_rejects_a_non_serve_file(tmp_path):
     with pytest.raises(SystemExit) as info:
         cli_main(["config", "check", str(bad)])
     assert "applications" in str(info.value)
+
+
+def test_admission_and_draining_bounds_are_checked():
+    assert "draining.surge_percent: must be 0-100" in _error(_args(draining={"surge_percent": 101}))
+    assert "admission.max_queued_requests" in _error(_args(admission={"max_queued_requests": -1}))
+    assert "draining.timeout_s" in _error(_args(draining={"timeout_s": 0}))
+    model = parse_config(_args()).models[0]
+    assert model.draining.timeout_s == 300 and model.draining.surge_percent == "auto"
+    assert model.admission.max_queued_requests == 128

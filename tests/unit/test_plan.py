@@ -47,3 +47,26 @@ def test_deployment_names_are_plain_and_unique():
     cfg = parse_config({"models": [{**SMOL, "name": "a.b"}, {**SMOL, "name": "a/b"}]})
     with pytest.raises(ConfigError, match="same deployment name"):
         plan_deployments(cfg, CPU2)
+
+
+def test_replicas_drain_longer_than_rays_default_and_the_gateway_outlasts_them():
+    from deployments.app import assemble
+
+    cfg = parse_config({"models": [SMOL, {**MINI, "draining": {"timeout_s": 600}}]})
+    plans = plan_deployments(cfg, CPU2)
+    assert plans["smol"]["deployment"]["graceful_shutdown_timeout_s"] > 300, "the default drain is 300 s"
+    assert plans["mini"]["deployment"]["graceful_shutdown_timeout_s"] > 600
+    gateway = assemble(cfg)._bound_deployment
+    assert gateway._deployment_config.graceful_shutdown_timeout_s > 600
+
+
+def test_updates_start_replacements_first_where_they_fit():
+    gpus = ClusterView(has_gpus=True, largest_node_cpus=8)
+    assert plan_deployments(parse_config({"models": [SMOL]}), gpus)["smol"]["deployment"]["max_surge_percent"] == 100
+    # Two CPU engines fill a 2-core node: a replacement could not be placed, so stop first.
+    full = plan_deployments(parse_config({"models": [SMOL, MINI]}), CPU2)
+    assert full["smol"]["deployment"]["max_surge_percent"] == 0
+    roomy = plan_deployments(parse_config({"models": [{**SMOL, "cpu_cores_per_replica": 1}]}), CPU2)
+    assert roomy["smol"]["deployment"]["max_surge_percent"] == 100
+    forced = parse_config({"models": [{**SMOL, "draining": {"surge_percent": 50}}, MINI]})
+    assert plan_deployments(forced, CPU2)["smol"]["deployment"]["max_surge_percent"] == 50

@@ -1,0 +1,130 @@
+"""Graceful draining on a real Ray Serve app whose replicas run the FAKE engine (whose streams can be
+made as long as a test needs).
+
+- A config update takes the model from 2 replicas to 1 while streams run on both. A replica that leaves
+  finishes its streams that end within the drain timeout; one still running at the timeout is ended
+  with a `replica_drain_timeout` error event, never cut silently; streams on the replica that stays
+  are untouched. The drains are exported as metrics.
+- Deleting the whole application drains it too: a stream in flight finishes whole.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.live import free_port, scrape_until
+from tests.integration.fake_app import FACTORY, fake_engine_app
+
+APP = "draining"
+DRAIN_S = 6
+HEADER = "x-shunter-replica"
+
+
+def _args(replicas: int) -> dict[str, Any]:
+    return {"models": [{
+        "name": "duo", "source": "fake:flaky", "accelerator": "cpu", "replicas": replicas,
+        "cpu_cores_per_replica": 1, "routing": {"policy": "least_connections"},
+        "draining": {"timeout_s": DRAIN_S},
+    }]}
+
+
+@dataclass
+class Outcome:
+    replica: str
+    events: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.events) and self.events[-1] == "data: [DONE]"
+
+    @property
+    def error_code(self) -> str | None:
+        if self.complete or not self.events:
+            return None
+        return json.loads(self.events[-1].removeprefix("data: ")).get("error", {}).get("code")
+
+
+def _stream(base: str, seconds: float) -> Outcome:
+    words = int(seconds / 0.25)
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, json={
+            "model": "duo", "stream": True,
+            "messages": [{"role": "user", "content": "pace=0.25 " + "w " * words}]}) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    return Outcome(resp.headers[HEADER], events)
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[tuple[str, str]]:
+    metrics_port = free_port()
+    with fake_engine_app(_args(2), APP, metrics_port=metrics_port) as base:
+        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def _replicas_serving(base: str, requests: int = 8) -> set[str]:
+    seen = set()
+    for _ in range(requests):
+        resp = httpx.post(f"{base}/v1/chat/completions", timeout=30,
+                          json={"model": "duo", "messages": [{"role": "user", "content": "who is there"}]})
+        assert resp.status_code == 200, resp.text
+        seen.add(resp.headers[HEADER])
+    return seen
+
+
+def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_timeout(app):
+    from ray import serve
+
+    from deployments.app import assemble
+    from shunter.config import parse_config
+
+    base, metrics_url = app
+    before = _replicas_serving(base)
+    assert len(before) == 2
+    with ThreadPoolExecutor(4) as pool:
+        longs: list[Future[Outcome]] = []
+        shorts: list[Future[Outcome]] = []
+        for _ in range(2):  # one long and one short stream on each replica (least connections)
+            longs.append(pool.submit(_stream, base, 40))
+            time.sleep(0.5)
+        for _ in range(2):
+            shorts.append(pool.submit(_stream, base, 4))
+            time.sleep(0.5)
+        serve.run(assemble(parse_config(_args(1)), engine_factory=FACTORY), name=APP, route_prefix="/")
+        after = _replicas_serving(base)
+        long_outcomes = [f.result() for f in longs]
+        short_outcomes = [f.result() for f in shorts]
+    assert len(after) == 1
+    assert {o.replica for o in long_outcomes} == before, "the long streams ran on both replicas"
+    left = before - after
+    assert left, "a replica left"
+    for outcome in short_outcomes:
+        assert outcome.complete, f"a stream shorter than the drain timeout was cut: {outcome.events[-1:]}"
+    for outcome in long_outcomes:
+        if outcome.replica in left:
+            assert outcome.error_code == "replica_drain_timeout", outcome.events[-1:]
+        else:
+            assert outcome.complete, outcome.events[-1:]
+    scrape_until(metrics_url, [("ray_shunter_drain_aborted_total", {"model": "duo"}),
+                               ("ray_shunter_drain_seconds_count", {"model": "duo"})])
+
+
+def test_deleting_the_application_lets_a_stream_in_flight_finish(app):
+    from ray import serve
+
+    base, _ = app
+    result: list[Outcome] = []
+    reader = threading.Thread(target=lambda: result.append(_stream(base, 4)))
+    reader.start()
+    time.sleep(1)
+    serve.delete(APP)
+    reader.join(timeout=60)
+    assert result and result[0].complete, result[0].events[-1:] if result else "no answer"
