@@ -291,7 +291,6 @@ class Gateway:
                           f"{timeout.waited_s:g}s; retry shortly", code="queue_timeout",
                           headers={"Retry-After": _RETRY_AFTER_S})
         except _AllReplicasOut:
-            ops_metrics.rejection(model.name, "replicas_unavailable")
             return self._all_replicas_out(model, routing)
         except (ReplicaFailure, _NoReplica) as exc:
             if isinstance(exc, _NoReplica):
@@ -414,6 +413,7 @@ class Gateway:
             end.close(finished, aborted)
 
     def _all_replicas_out(self, model: ModelConfig, routing: DeploymentRouting) -> JSONResponse:
+        ops_metrics.rejection(model.name, "replicas_unavailable")
         wait = routing.unavailable_for_s() or 1.0
         return _error(503, f"every replica of model {model.name!r} is failing and temporarily out of service; "
                       "retry shortly", code="replicas_unavailable",
