@@ -13,8 +13,9 @@ the arithmetic and the hysteresis are tested without a cluster.
   start an engine), except from zero: a request waiting on a model with no replica starts one at once.
 - Scaling down waits until the need has stayed lower for `downscale_delay_s`, and counts a replica as
   full already at `downscale_headroom` of its target, so a depth hovering at a boundary does not flap.
-  Down to zero only when nothing at all is waiting or running, and never while a replica is still
-  starting (its start would be wasted; the delay counts from when every replica runs).
+  Down to zero only when nothing at all is waiting or running. No scale-down while a replica is still
+  starting (its start would be wasted; the delay counts from when every replica runs), unless it has
+  been starting for `MAX_START_HOLD_S` (it may never find room).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ScalingState:
 
     up_since: float | None = None  # when the need first rose above the current count
     down_since: float | None = None  # when it first fell below
+    starting_since: float | None = None  # when a scale-down was first held for a replica still starting
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,7 +58,7 @@ class ScalingState:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ScalingState:
         data = data or {}
-        return cls(data.get("up_since"), data.get("down_since"))
+        return cls(data.get("up_since"), data.get("down_since"), data.get("starting_since"))
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class Decision:
     replicas: int
     state: ScalingState
     reason: str
+
+
+# The longest a scale-down waits for starting replicas: well past an engine start, even a large model's.
+MAX_START_HOLD_S = 900.0
 
 
 def replicas_needed(depth: float, target_per_replica: float) -> int:
@@ -91,13 +97,19 @@ def decide(current: int, depth: float, now: float, settings: ScalingSettings, st
     down_need = min(s.max_replicas, max(s.min_replicas, down_need))
     if down_need < current and starting > 0:
         # A replica still starting has not had its chance to take work: stopping it now would waste the
-        # start (a min-0 model's first replica, or one whose burst passed while it loaded).
-        return Decision(current, ScalingState(), f"down to {down_need} once starting replicas run")
+        # start (a min-0 model's first replica, or one whose burst passed while it loaded). But one that
+        # cannot start (no node has room for it) must not pin the count up for ever.
+        held = state.starting_since if state.starting_since is not None else now
+        if now - held < MAX_START_HOLD_S:
+            return Decision(current, ScalingState(starting_since=held),
+                            f"down to {down_need} once starting replicas run")
     if down_need < current:
         since = state.down_since if state.down_since is not None else now
         if now - since >= s.downscale_delay_s:
             return Decision(down_need, ScalingState(), f"depth {depth:g} fits {down_need} replicas")
-        return Decision(current, ScalingState(down_since=since), f"down to {down_need} pending the downscale delay")
+        carried = state.starting_since if starting else None  # still past the hold for a replica stuck starting
+        return Decision(current, ScalingState(down_since=since, starting_since=carried),
+                        f"down to {down_need} pending the downscale delay")
     return Decision(current, ScalingState(), "steady")
 
 

@@ -183,3 +183,18 @@ def test_no_scale_down_while_a_replica_is_still_starting():
     assert replicas == 1
     ctx.current_time = 67.0
     assert policy(ctx)[0] == 0
+
+
+def test_a_replica_that_never_starts_does_not_pin_the_count_up():
+    from ops.autoscaling import MAX_START_HOLD_S, ScalingState, decide
+
+    state = ScalingState()
+    settings = S
+    for now in (0.0, MAX_START_HOLD_S / 2):
+        decision = decide(2, 0, now, settings, state, starting=1)
+        assert decision.replicas == 2
+        state = decision.state
+    decision = decide(2, 0, MAX_START_HOLD_S + 1, settings, state, starting=1)
+    state = decision.state
+    later = decide(2, 0, MAX_START_HOLD_S + 1 + settings.downscale_delay_s, settings, state, starting=1)
+    assert later.replicas < 2, "after the hold, the normal downscale delay applies"
