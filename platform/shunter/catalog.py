@@ -42,6 +42,7 @@ class BuiltinModel:
     relative_path: str  # file or dir inside the package
     kind: str  # "gguf" (converted) or "dir" (used in place)
     description: str
+    max_model_len: int  # the longest context the model's own config allows (vLLM refuses more)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -53,6 +54,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
         kind="gguf",
         description="HuggingFaceTB/SmolLM2-135M-Instruct (chat), dequantized from Q4_1 GGUF",
+        max_model_len=8192,
     ),
     "all-minilm-l6-v2": BuiltinModel(
         key="all-minilm-l6-v2",
@@ -62,6 +64,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         relative_path="model",
         kind="dir",
         description="sentence-transformers/all-MiniLM-L6-v2 (384-dim embeddings)",
+        max_model_len=256,
     ),
 }
 

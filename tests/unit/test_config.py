@@ -166,3 +166,14 @@ def test_admission_and_draining_bounds_are_checked():
     model = parse_config(_args()).models[0]
     assert model.draining.timeout_s == 300 and model.draining.surge_percent == "auto"
     assert model.admission.max_queued_requests == 128
+
+
+def test_a_context_longer_than_the_builtin_model_allows_is_refused_before_deploying():
+    """vLLM would refuse it in every replica after the deploy, leaving a model that never starts."""
+    message = _error({"models": [{"name": "e", "source": "builtin:all-minilm-l6-v2", "task": "embed",
+                                  "engine": {"max_model_len": 2048}}]})
+    assert "max_model_len 2048 exceeds what builtin:all-minilm-l6-v2 allows (256)" in message
+    parse_config({"models": [{"name": "e", "source": "builtin:all-minilm-l6-v2", "task": "embed",
+                              "engine": {"max_model_len": 256}}]})
+    default = parse_config({"models": [{"name": "e", "source": "builtin:all-minilm-l6-v2", "task": "embed"}]})
+    assert default.models[0].engine.max_model_len == 256, "the default context shrinks to what the model allows"
