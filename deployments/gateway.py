@@ -176,7 +176,7 @@ class Gateway:
         timeout = self.config.gateway.ready_timeout_s
 
         async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
-            if self._scaled_to_zero(model):
+            if self._scaled_to_zero(model, self._routing_state(model)):
                 # Probing would start a replica; a model allowed to scale to zero starts on demand.
                 return model.name, {"replicas": 0, "starts_on_demand": True}, None
             try:
@@ -314,7 +314,7 @@ class Gateway:
             stream = self.servers[model.name].options(stream=True).handle.remote(request)
             # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
             # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
-            cold_start = self._scaled_to_zero(model)
+            cold_start = self._scaled_to_zero(model, routing)
             wait = self.config.gateway.queue_timeout_s
             if cold_start and model.autoscaling is not None:
                 wait = model.autoscaling.cold_start_timeout_s
@@ -419,10 +419,10 @@ class Gateway:
                       "retry shortly", code="replicas_unavailable",
                       headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
-    def _scaled_to_zero(self, model: ModelConfig) -> bool:
+    @staticmethod
+    def _scaled_to_zero(model: ModelConfig, routing: DeploymentRouting) -> bool:
         """The model may scale to zero and this gateway knows of no running replica."""
-        return (model.autoscaling is not None and model.autoscaling.min_replicas == 0
-                and not self._routing_state(model).replicas)
+        return model.autoscaling is not None and model.autoscaling.min_replicas == 0 and not routing.replicas
 
     def _capacity(self, model: ModelConfig, routing: DeploymentRouting) -> int:
         """Requests the model's running replicas take at once: this gateway's share. Until a router has

@@ -351,13 +351,11 @@ class ModelConfig(StrictModel):
             # vLLM would refuse a longer context in every replica, after the deploy: a model that never
             # starts. The default shrinks to fit; a value the config sets is an error to fix.
             limit = self.engine.max_model_len
-            if limit is not None and limit > builtin.max_model_len and "max_model_len" not in self.engine.model_fields_set:
+            if limit is not None and limit > builtin.max_model_len:
+                if "max_model_len" in self.engine.model_fields_set:
+                    raise ValueError(f"engine.max_model_len {limit} exceeds what {self.source} allows "
+                                     f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}")
                 self.engine.max_model_len = builtin.max_model_len
-            elif limit is not None and limit > builtin.max_model_len:
-                raise ValueError(
-                    f"engine.max_model_len {self.engine.max_model_len} exceeds what {self.source} allows "
-                    f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}"
-                )
         return self
 
     @model_validator(mode="after")

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.fake_clock import Clock
 
 
 def test_admits_up_to_capacity_plus_the_queue_bound_then_refuses():

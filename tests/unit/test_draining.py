@@ -5,14 +5,7 @@ from __future__ import annotations
 from ops.draining import RAY_KILL_MARGIN_S, DrainTracker, ray_shutdown_timeout_s
 from routing.state import DeploymentRouting
 from shunter.config import RoutingConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.fake_clock import Clock
 
 
 def test_ray_kills_only_after_the_gateway_aborted_the_leftovers():
@@ -20,7 +13,7 @@ def test_ray_kills_only_after_the_gateway_aborted_the_leftovers():
 
 
 def test_a_drain_ends_with_the_last_stream_of_a_leaving_replica():
-    clock = Clock()
+    clock = Clock(100.0)
     tracker = DrainTracker("m", clock)
     tracker.opened("r1")
     tracker.opened("r1")
@@ -33,13 +26,13 @@ def test_a_drain_ends_with_the_last_stream_of_a_leaving_replica():
 
 
 def test_streams_of_a_replica_that_stays_measure_no_drain():
-    tracker = DrainTracker("m", Clock())
+    tracker = DrainTracker("m", Clock(100.0))
     tracker.opened("r1")
     assert tracker.closed("r1", None) is None
 
 
 def test_routing_state_remembers_when_a_replica_left():
-    clock = Clock()
+    clock = Clock(100.0)
     state = DeploymentRouting("m", "least_connections", RoutingConfig(), clock=clock)
     state.sync_replicas(["a", "b"])
     assert state.departed_at("a") is None
