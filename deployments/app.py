@@ -1,7 +1,7 @@
 """`build_app`: the import_path of every Shunter Serve config (`deployments.app:build_app`).
 
 Validates `args` into a ShunterConfig before anything starts, then binds one ModelServer deployment per
-model and one Gateway in front. Placement decisions are made here, once, from the config and the
+model version and one Gateway in front. Placement decisions are made here, once, from the config and the
 cluster: the accelerator of each model and, on CPU, how many cores each engine replica owns.
 """
 
@@ -20,7 +20,7 @@ from deployments.gateway import Gateway
 from deployments.model_server import ModelServer
 from ops.draining import ray_shutdown_timeout_s
 from routing.custom import guarded_path, import_router
-from shunter.config import ConfigError, ModelConfig, ShunterConfig, parse_config
+from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import cores_per_replica
 
 log = logging.getLogger("ray.serve")
@@ -46,71 +46,84 @@ class ClusterView:
         return cls(has_gpus=False, largest_node_cpus=len(os.sched_getaffinity(0)))
 
 
-def deployment_name(model: ModelConfig) -> str:
-    """Ray deployment names must be plain; hub ids like org/model are not."""
-    return "model-" + re.sub(r"[^A-Za-z0-9_-]+", "-", model.name)
+def deployment_name(model: ModelConfig, version: str = DEFAULT_VERSION) -> str:
+    """Ray deployment names must be plain; hub ids like org/model are not. A model declared with
+    `versions:` has one deployment per version."""
+    base = "model-" + re.sub(r"[^A-Za-z0-9_-]+", "-", model.name)
+    return f"{base}--{re.sub(r'[^A-Za-z0-9_-]+', '-', version)}" if model.versioned else base
 
 
-def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict[str, Any]]:
-    """Per model: the deployment options and constructor settings. Pure: tested without a cluster."""
+def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per model, per version: the deployment options and constructor settings. Pure: tested without a
+    cluster. Cores are planned for every version that may run at once (during a rollout, the old and
+    the new side by side)."""
     accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
-    cpu_replicas = sum(m.most_replicas for m in cfg.models if accelerators[m.name] == "cpu")
-    cpu_cores = {m.name: _cpu_cores(m, cluster, cpu_replicas) for m in cfg.models if accelerators[m.name] == "cpu"}
-    spare_cores = cluster.largest_node_cpus - sum(cpu_cores[m.name] * m.most_replicas for m in cfg.models
-                                                  if m.name in cpu_cores)
-    plans: dict[str, dict[str, Any]] = {}
+    cpu_models = [m for m in cfg.models if accelerators[m.name] == "cpu"]
+    cpu_replicas = sum(m.most_replicas * m.most_running_versions for m in cpu_models)
+    cpu_cores = {m.name: _cpu_cores(m, cluster, cpu_replicas) for m in cpu_models}
+    spare_cores = cluster.largest_node_cpus - sum(cpu_cores[m.name] * m.most_replicas * m.most_running_versions
+                                                  for m in cpu_models)
+    plans: dict[str, dict[str, dict[str, Any]]] = {}
     names: dict[str, str] = {}
     for model in cfg.models:
-        name = deployment_name(model)
-        if name in names:
-            raise ConfigError(f"models {names[name]!r} and {model.name!r} map to the same deployment name "
-                              f"{name!r}; rename one of them")
-        names[name] = model.name
-        accel = accelerators[model.name]
-        tp, pp = model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size
-        cores = cpu_cores.get(model.name)
-        surge = model.draining.surge_percent
-        if accel == "cpu":
-            assert cores is not None
-            if surge == "auto":
-                surge = 100 if cores * model.most_replicas <= spare_cores else 0
-            if cores < tp:
-                raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
-                                  f"tensor_parallel_size={tp} ranks; give at least one core per rank")
-            actor_options: dict[str, Any] = {"num_cpus": cores}
-            placement: dict[str, Any] = {}
-        else:
-            devices = tp * pp
-            actor_options = {"num_cpus": 1}
-            if devices == 1:
-                actor_options["num_gpus"] = 1
-                placement = {}
-            else:
-                # The replica actor and every engine worker in one placement group. Placement across
-                # nodes per pipeline stage is refined by the placement planner (issue 8).
-                placement = {
-                    "placement_group_bundles": [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (devices - 1),
-                    "placement_group_strategy": "PACK",
-                }
-        plans[model.name] = {
-            "deployment": {
-                "name": name,
-                "request_router_config": request_router_config(model, accel),
-                **replica_count(model),
-                "max_ongoing_requests": model.max_ongoing_requests,
-                "ray_actor_options": actor_options,
-                "health_check_period_s": 10,
-                "health_check_timeout_s": 30,
-                # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
-                # event, at the drain timeout before that (ops.draining).
-                "graceful_shutdown_timeout_s": ray_shutdown_timeout_s(model.draining.timeout_s),
-                "max_surge_percent": 100 if surge == "auto" else surge,
-                **placement,
-            },
-            "accelerator": accel,
-            "cpu_cores": cores,
-        }
+        plans[model.name] = {}
+        for version in model.version_names():
+            name = deployment_name(model, version)
+            if name in names:
+                raise ConfigError(f"{names[name]} and {model.name!r} version {version!r} map to the same "
+                                  f"deployment name {name!r}; rename one of them")
+            names[name] = f"model {model.name!r} version {version!r}"
+            plans[model.name][version] = _plan_version(model, version, name, accelerators[model.name],
+                                                       cpu_cores.get(model.name), spare_cores)
     return plans
+
+
+def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores: int | None,
+                  spare_cores: int) -> dict[str, Any]:
+    served = model.for_version(version)
+    tp, pp = served.engine.tensor_parallel_size, served.engine.pipeline_parallel_size
+    surge = model.draining.surge_percent
+    if accel == "cpu":
+        assert cores is not None
+        if surge == "auto":
+            surge = 100 if cores * model.most_replicas <= spare_cores else 0
+        if cores < tp:
+            raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
+                              f"tensor_parallel_size={tp} ranks; give at least one core per rank")
+        actor_options: dict[str, Any] = {"num_cpus": cores}
+        placement: dict[str, Any] = {}
+    else:
+        devices = tp * pp
+        actor_options = {"num_cpus": 1}
+        if devices == 1:
+            actor_options["num_gpus"] = 1
+            placement = {}
+        else:
+            # The replica actor and every engine worker in one placement group. Placement across
+            # nodes per pipeline stage is refined by the placement planner (issue 8).
+            placement = {
+                "placement_group_bundles": [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (devices - 1),
+                "placement_group_strategy": "PACK",
+            }
+    return {
+        "deployment": {
+            "name": name,
+            "request_router_config": request_router_config(served, accel),
+            **(version_replica_count(model, version) if model.versioned else replica_count(model)),
+            "max_ongoing_requests": model.max_ongoing_requests,
+            "ray_actor_options": actor_options,
+            "health_check_period_s": 10,
+            "health_check_timeout_s": 30,
+            # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
+            # event, at the drain timeout before that (ops.draining).
+            "graceful_shutdown_timeout_s": ray_shutdown_timeout_s(model.draining.timeout_s),
+            "max_surge_percent": 100 if surge == "auto" else surge,
+            **placement,
+        },
+        "accelerator": accel,
+        "cpu_cores": cores,
+        "version": version,
+    }
 
 
 _POLICY_ROUTERS = {
@@ -128,29 +141,48 @@ def replica_count(model: ModelConfig) -> dict[str, Any]:
     scaling = model.autoscaling
     if scaling is None:
         return {"num_replicas": model.replicas}
+    return {"autoscaling_config": _autoscaling_config(
+        scaling.min_replicas, scaling.max_replicas, max(1, scaling.min_replicas), _policy_kwargs(model))}
+
+
+def version_replica_count(model: ModelConfig, version: str) -> dict[str, Any]:
+    """One version of a versioned model. Whether it runs at all is live state (a rollout starts the new
+    version and retires the old one), so every version is scaled by Shunter's policy, which reads that
+    state: a retired version gets 0 replicas, a live one what the model asks for (a fixed count, or the
+    queue-depth range). Ray's own bounds are [0, most]; the model's bounds are the policy's."""
+    weights = dict(model.file_weights())
+    live_at_start = weights.get(version, 0) > 0
+    kwargs = _policy_kwargs(model)
+    if model.autoscaling is None:  # a fixed count: the policy holds it while the version is live
+        kwargs.update(min_replicas=model.replicas, max_replicas=model.replicas)
+    first = max(1, kwargs["min_replicas"]) if live_at_start else 0
+    kwargs["versioning"] = {"model": model.name, "version": version, "fingerprint": model.fingerprint,
+                            "live_at_start": live_at_start}
+    return {"autoscaling_config": _autoscaling_config(0, model.most_replicas, first, kwargs)}
+
+
+def _policy_kwargs(model: ModelConfig) -> dict[str, Any]:
+    scaling = model.autoscaling
+    if scaling is None:  # fixed count; the delays never matter since min == max
+        return {"model": model.name, "min_replicas": model.replicas, "max_replicas": model.replicas,
+                "target_per_replica": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
+    return {"model": model.name, "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
+            "target_per_replica": scaling.target_queue_per_replica, "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s}
+
+
+def _autoscaling_config(least: int, most: int, initial: int, policy_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {
-        "autoscaling_config": {
-            "min_replicas": scaling.min_replicas,
-            "max_replicas": scaling.max_replicas,
-            "initial_replicas": max(1, scaling.min_replicas),
-            "upscale_delay_s": 0,
-            "downscale_delay_s": 0,
-            "downscale_to_zero_delay_s": 0,
-            # Ray averages the replicas' reports over this window; the policy has its own delays, so a
-            # short window only makes it see a burst sooner (Ray's default is 30 s).
-            "look_back_period_s": 15,
-            "policy": {
-                "policy_function": "ops.autoscaling:QueueDepthPolicy",
-                "policy_kwargs": {
-                    "model": model.name,
-                    "min_replicas": scaling.min_replicas,
-                    "max_replicas": scaling.max_replicas,
-                    "target_per_replica": scaling.target_queue_per_replica,
-                    "upscale_delay_s": scaling.upscale_delay_s,
-                    "downscale_delay_s": scaling.downscale_delay_s,
-                },
-            },
-        }
+        "min_replicas": least,
+        "max_replicas": most,
+        "initial_replicas": initial,
+        "upscale_delay_s": 0,
+        "downscale_delay_s": 0,
+        "downscale_to_zero_delay_s": 0,
+        # Ray averages the replicas' reports over this window; the policy has its own delays, so a
+        # short window only makes it see a burst sooner (Ray's default is 30 s).
+        "look_back_period_s": 15,
+        "policy": {"policy_function": "ops.autoscaling:QueueDepthPolicy", "policy_kwargs": policy_kwargs},
     }
 
 
@@ -204,19 +236,21 @@ def build_app(args: dict[str, Any]) -> Application:
 def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Application:
     """Bind the deployments of a validated config. `engine_factory` is the tests' fault-injection seam."""
     plans = plan_deployments(cfg, ClusterView.detect())
-    servers = {}
+    servers: dict[str, dict[str, Any]] = {}
     for model in cfg.models:
-        plan = plans[model.name]
         count = (f"{model.autoscaling.min_replicas}-{model.autoscaling.max_replicas}" if model.autoscaling
                  else str(model.replicas))
-        log.info("model %s: %s replica(s) on %s%s", model.name, count, plan["accelerator"],
-                 f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
-        servers[model.name] = (
-            serve.deployment(ModelServer)
-            .options(**plan["deployment"])
-            .bind(model.model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"], plan["accelerator"],
-                  engine_factory)
-        )
+        servers[model.name] = {}
+        for version, plan in plans[model.name].items():
+            log.info("model %s%s: %s replica(s) on %s%s", model.name,
+                     f" version {version}" if model.versioned else "", count, plan["accelerator"],
+                     f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
+            servers[model.name][version] = (
+                serve.deployment(ModelServer)
+                .options(**plan["deployment"])
+                .bind(model.for_version(version).model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"],
+                      plan["accelerator"], engine_factory, version)
+            )
     # The gateway computes almost nothing (it relays), so it reserves no CPU a model engine could own.
     # It relays every model's streams, so it drains as long as the longest-draining model.
     return Gateway.options(

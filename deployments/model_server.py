@@ -25,7 +25,7 @@ from typing import Any
 from ray import serve
 
 from ops.autoscaling import ENGINE_REQUESTS_METRIC
-from shunter.config import ModelConfig
+from shunter.config import DEFAULT_VERSION, ModelConfig
 from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
 
 log = logging.getLogger("ray.serve")
@@ -41,14 +41,17 @@ class ModelServer:
         cpu_cores: int | None,
         accelerator: str,
         engine_factory: str | None = None,
+        version: str = DEFAULT_VERSION,
     ):
-        """`engine_factory` ("module:callable", same signature as VLLMEngine.start) is a test seam for
-        fault-injecting engines; production apps always run vLLM."""
+        """`model` is the model as this version serves it (`ModelConfig.for_version`). `engine_factory`
+        ("module:callable", same signature as VLLMEngine.start) is a test seam for fault-injecting engines;
+        production apps always run vLLM."""
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores
         from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
 
         self.model = ModelConfig.model_validate(model)
+        self.version = version
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._cores = None
         env: dict[str, str] = {}
@@ -62,6 +65,7 @@ class ModelServer:
                 "model %s replica %s (pid %d): engine bound to CPU cores %s (VLLM_CPU_OMP_THREADS_BIND=%s)",
                 self.model.name, self.replica_id, os.getpid(), self._cores.cores, env["VLLM_CPU_OMP_THREADS_BIND"],
             )
+        assert self.model.source is not None, "a replica serves one version: ModelConfig.for_version"
         path = resolve_source(self.model.source, cache_dir, progress=False)
         spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator)
         start = _import_callable(engine_factory) if engine_factory else VLLMEngine.start
@@ -72,8 +76,8 @@ class ModelServer:
             if self._cores:
                 self._cores.release()
             raise
-        log.info("model %s replica %s ready (answered a real %s)", self.model.name, self.replica_id,
-                 "embedding" if self.model.task == "embed" else "generation")
+        log.info("model %s version %s replica %s ready (answered a real %s)", self.model.name, version,
+                 self.replica_id, "embedding" if self.model.task == "embed" else "generation")
 
     async def handle(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         """Serve one request: yields Accepted, the reply head, then SSE chunks if the reply streams."""
@@ -90,6 +94,7 @@ class ModelServer:
         """Answered only by a constructed replica, i.e. one that has served a real request."""
         return {
             "model": self.model.name,
+            "version": self.version,
             "replica": self.replica_id,
             "pid": os.getpid(),
             "cpu_cores": self._cores.cores if self._cores else None,

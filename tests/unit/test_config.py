@@ -56,7 +56,7 @@ def test_bad_literal_lists_choices():
 
 def test_missing_source_is_reported():
     msg = _error({"models": [{"name": "m"}]})
-    assert "models[0].source: required field is missing" in msg
+    assert "models[0]: `source` is missing" in msg and "versions" in msg
 
 
 def test_no_models_is_an_error():
