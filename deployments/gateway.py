@@ -15,23 +15,26 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.traffic import LiveVersions
 from ops import metrics as ops_metrics
 from ops.admission import AdmissionGate
 from ops.draining import DrainTracker
 from routing.failover import ReplicaFailure, with_failover
 from routing.state import DeploymentRouting, deployment_key, routing_state
-from shunter.config import ModelConfig, ShunterConfig
+from routing.versions import choose_version
+from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
 from shunter.errors import error_body
 from shunter.replica_protocol import Accepted, ReplicaRequest
 
@@ -42,6 +45,8 @@ _ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "em
 _RETRY_AFTER_S = "5"
 MAX_JSON_DEPTH = 64
 REPLICA_HEADER = "x-shunter-replica"  # which replica served the request: for operators and tests
+VERSION_HEADER = "x-shunter-version"  # which version of the model served it
+SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
 
 app = FastAPI(title="Shunter", description="OpenAI-compatible multi-model gateway", docs_url=None, redoc_url=None)
 
@@ -104,13 +109,17 @@ class _RelayEnd:
     away before the response starts means the relay generator never runs (so its `finally` never does
     either); then this object's `__del__`, when the unstarted generator is dropped, does it instead."""
 
-    def __init__(self, started: _Started, routing: DeploymentRouting, drains: DrainTracker, gate: AdmissionGate):
+    def __init__(self, started: _Started, routing: DeploymentRouting, drains: DrainTracker, gate: AdmissionGate,
+                 on_outcome: Callable[[bool], None] | None = None):
         self.stream, self.replica = started.stream, started.replica
         self.routing, self.drains, self.gate = routing, drains, gate
+        self.on_outcome = on_outcome
         self.done = False
         drains.opened(self.replica)
 
-    def close(self, finished: bool = False, aborted: bool = False) -> None:
+    def close(self, finished: bool = False, aborted: bool = False, ok: bool | None = None) -> None:
+        """`ok`: whether the stream was served whole (True) or broke (False); None when neither says
+        anything about the version (the client left, the platform drained the replica)."""
         if self.done:
             return
         self.done = True
@@ -118,6 +127,8 @@ class _RelayEnd:
             _cancel(self.stream)
         self.drains.closed(self.replica, self.routing.departed_at(self.replica), aborted)
         self.gate.release()
+        if ok is not None and self.on_outcome is not None:
+            self.on_outcome(ok)
 
     def __del__(self) -> None:
         self.close()
@@ -145,6 +156,15 @@ class _NoReplica(Exception):
     """The request failed before any replica took it (none running, deployment failed)."""
 
 
+class _VersionFailed(Exception):
+    """The request could not start on one version (before any byte reached the client); carries the
+    response the client gets if no other version can take it."""
+
+    def __init__(self, response: JSONResponse):
+        super().__init__(response.status_code)
+        self.response = response
+
+
 class BadRequest(Exception):
     """A client error found while reading the request; carries its ready response."""
 
@@ -155,10 +175,15 @@ class BadRequest(Exception):
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
-    def __init__(self, config: dict[str, Any], model_servers: dict[str, DeploymentHandle]):
+    def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
+        """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
         self.config = ShunterConfig.model_validate(config)
         self.servers = model_servers
         self.created = int(time.time())
+        any_handle = next(iter(next(iter(model_servers.values())).values()))
+        self.traffic = LiveVersions(any_handle.app_name, self.config,
+                                    {m: {v: h.deployment_name for v, h in versions.items()}
+                                     for m, versions in model_servers.items()})
         self._routing: dict[str, DeploymentRouting] = {}
         self._gates: dict[str, AdmissionGate] = {}
         self._drains: dict[str, DrainTracker] = {}
@@ -175,17 +200,30 @@ class Gateway:
         """200 when every model has a replica that has answered a real request; 503 otherwise."""
         timeout = self.config.gateway.ready_timeout_s
 
-        async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
-            if self._scaled_to_zero(model, self._routing_state(model)):
+        self.traffic.ensure_started()
+
+        async def probe_version(model: ModelConfig, version: str) -> tuple[dict[str, Any] | None, str | None]:
+            if self._scaled_to_zero(model, self._routing_state(model, version)):
                 # Probing would start a replica; a model allowed to scale to zero starts on demand.
-                return model.name, {"replicas": 0, "starts_on_demand": True}, None
+                return {"replicas": 0, "starts_on_demand": True}, None
             try:
-                info = await asyncio.wait_for(self.servers[model.name].ready.remote(), timeout)
-                return model.name, info, None
+                return await asyncio.wait_for(self.servers[model.name][version].ready.remote(), timeout), None
             except asyncio.TimeoutError:
-                return model.name, None, f"no replica answered within {timeout}s"
+                return None, f"no replica answered within {timeout}s"
             except Exception as exc:  # noqa: BLE001 - any failure means "not ready", with the reason shown
-                return model.name, None, f"{type(exc).__name__}: {exc}"[:300]
+                return None, f"{type(exc).__name__}: {exc}"[:300]
+
+        async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
+            """A model is ready when every version that takes traffic has a replica that answers."""
+            versions = self.traffic.serving(model)
+            answers = await asyncio.gather(*(probe_version(model, v) for v in versions))
+            failed = [f"version {v}: {why}" if model.versioned else why
+                      for v, (_, why) in zip(versions, answers, strict=True) if why]
+            if failed:
+                return model.name, None, "; ".join(failed)
+            if not model.versioned:
+                return model.name, answers[0][0], None
+            return model.name, {"versions": {v: info for v, (info, _) in zip(versions, answers, strict=True)}}, None
 
         results = await asyncio.gather(*(probe(m) for m in self.config.models))
         models = {name: ({"ready": True, **info} if info else {"ready": False, "reason": why})
@@ -201,9 +239,7 @@ class Gateway:
         return {
             "object": "list",
             "data": [
-                {"id": m.name, "object": "model", "created": self.created, "owned_by": "shunter",
-                 "aliases": m.aliases, "task": m.task}
-                for m in self.config.models
+                self._model_card(m) for m in self.config.models
             ],
         }
 
@@ -212,8 +248,14 @@ class Gateway:
         model = self.config.find_model(model_id)
         if model is None:
             return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse({"id": model.name, "object": "model", "created": self.created,
-                             "owned_by": "shunter", "aliases": model.aliases, "task": model.task})
+        return JSONResponse(self._model_card(model))
+
+    def _model_card(self, model: ModelConfig) -> dict[str, Any]:
+        card = {"id": model.name, "object": "model", "created": self.created, "owned_by": "shunter",
+                "aliases": model.aliases, "task": model.task}
+        if model.versioned:
+            card["versions"] = [{"name": v, "weight": w} for v, w in self.traffic.view(model).weights]
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -227,6 +269,105 @@ class Gateway:
     async def embeddings(self, request: Request) -> Response:
         return await self._forward(request, "embedding")
 
+    # ---- admin API: rollouts and live weights (to be protected by admin keys, issue 10) ---------------
+
+    @app.get("/admin/rollouts")
+    async def list_rollouts(self) -> dict[str, Any]:
+        """Every versioned model: its live weights and its latest rollout."""
+        await self.traffic.refresh_now()
+        return {"models": [self._rollout_status(m) for m in self.config.models if m.versioned]}
+
+    @app.post("/admin/rollouts/{model_id:path}/pause")
+    async def pause_rollout(self, model_id: str) -> Response:
+        return await self._control_call(model_id, "pause")
+
+    @app.post("/admin/rollouts/{model_id:path}/resume")
+    async def resume_rollout(self, model_id: str) -> Response:
+        return await self._control_call(model_id, "resume")
+
+    @app.post("/admin/rollouts/{model_id:path}/rollback")
+    async def rollback_rollout(self, model_id: str) -> Response:
+        return await self._control_call(model_id, "rollback")
+
+    @app.get("/admin/rollouts/{model_id:path}")
+    async def get_rollout(self, model_id: str) -> Response:
+        model = self.config.find_model(model_id)
+        if model is None:
+            return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        await self.traffic.refresh_now()
+        return JSONResponse(self._rollout_status(model))
+
+    @app.post("/admin/rollouts/{model_id:path}")
+    async def start_rollout(self, model_id: str, request: Request) -> Response:
+        """Body: {"to": VERSION} plus any of the model's `rollout` settings to use for this rollout only
+        (steps, hold_s, max_hold_s, ready_timeout_s, gates)."""
+        try:
+            body = await self._read_json(request)
+        except BadRequest as bad:
+            return bad.response
+        to = body.pop("to", None)
+        if not isinstance(to, str):
+            return _error(400, "give the version to roll out to as 'to'", param="to", code="missing_field")
+        return await self._control_call(model_id, "start", to=to, overrides=body)
+
+    @app.put("/admin/models/{model_id:path}/weights")
+    async def set_weights(self, model_id: str, request: Request) -> Response:
+        """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
+        retired. Refused while a rollout of the model is in progress."""
+        try:
+            body = await self._read_json(request)
+        except BadRequest as bad:
+            return bad.response
+        weights = body.get("weights")
+        if not isinstance(weights, dict) or not all(isinstance(w, int | float) and not isinstance(w, bool)
+                                                    for w in weights.values()):
+            return _error(400, "give 'weights' as an object of version: number", param="weights",
+                          code="invalid_type")
+        return await self._control_call(model_id, "weights", weights=[(str(v), float(w)) for v, w in weights.items()])
+
+    async def _control_call(self, model_id: str, action: str, **kwargs: Any) -> Response:
+        from ops.control import RolloutRefused
+
+        model = self.config.find_model(model_id)
+        if model is None:
+            return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        if not model.versioned:
+            return _error(400, f"model {model.name!r} has one version; declare `versions:` in its config to roll "
+                          "out between them", param="model", code="not_versioned")
+        actor = self.traffic.actor()
+        if action == "start":
+            overrides = kwargs["overrides"]
+            try:  # the same checks as the config file's `rollout:` section
+                merged = RolloutConfig.model_validate({**model.rollout.model_dump(mode="json"), **overrides})
+            except ValidationError as exc:
+                return _error(400, format_config_error(exc, RolloutConfig).replace("\n", " "), code="invalid_rollout")
+            call = actor.start_rollout.remote(self.traffic.context(model), kwargs["to"], merged.model_dump(mode="json"))
+        elif action == "weights":
+            call = actor.set_weights.remote(self.traffic.context(model), kwargs["weights"])
+        elif action == "rollback":
+            call = actor.rollback.remote(model.name)
+        else:
+            call = getattr(actor, action).remote(model.name)
+        try:
+            await call
+        except RolloutRefused as exc:  # raised in the actor; Ray re-raises it here as that class
+            cause = getattr(exc, "cause", None) or exc
+            return _error(409, str(cause), param="model", code="rollout_refused")
+        except Exception as exc:  # noqa: BLE001 - the control actor is restarting or unreachable
+            log.warning("model %s: rollout %s failed: %r", model.name, action, exc)
+            return _error(503, f"the rollout controller did not answer ({type(exc).__name__}); retry shortly",
+                          code="control_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
+        await self.traffic.refresh_now()
+        return JSONResponse(self._rollout_status(model), status_code=202 if action == "start" else 200)
+
+    def _rollout_status(self, model: ModelConfig) -> dict[str, Any]:
+        view = self.traffic.view(model)
+        entry = (self.traffic.state.get("rollouts") or {}).get(model.name)
+        current = entry is not None and entry["context"].get("fingerprint") == model.fingerprint
+        return {"model": model.name, "versions": model.version_names(),
+                "weights": [{"version": v, "weight": w} for v, w in view.weights], "live": sorted(view.live),
+                "weights_from": view.source, "rollout": entry["rollout"] if current else None}
+
     # ---- forwarding -----------------------------------------------------------------------------
 
     async def _forward(self, request: Request, endpoint: str) -> Response:
@@ -236,12 +377,14 @@ class Gateway:
         except BadRequest as bad:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
-        routing = self._routing_state(model)
-        if routing.unavailable_for_s() is not None:
+        self.traffic.ensure_started()
+        versions = self._versions_for(model, request, body)
+        if not versions:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
-            return self._all_replicas_out(model, routing)
+            chosen = self._versions_for(model, request, body, skip_unavailable=False)[0]
+            return self._all_replicas_out(model, self._routing_state(model, chosen))
         gate = self._gate(model)
-        capacity = self._capacity(model, routing)
+        capacity = self._capacity(model)
         retry_after = gate.try_admit(capacity)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
@@ -250,16 +393,66 @@ class Gateway:
                           headers={"Retry-After": str(retry_after)})
         relayed = False
         try:
-            response = await self._admitted(model, endpoint, body, routing, gate)
+            response = await self._admitted(model, endpoint, body, versions, gate)
             relayed = isinstance(response, StreamingResponse)
             return response
         finally:
             if not relayed:  # a stream releases its admission when the relay ends
                 gate.release()
 
-    async def _admitted(self, model: ModelConfig, endpoint: str, body: dict[str, Any], routing: DeploymentRouting,
+    def _versions_for(self, model: ModelConfig, request: Request, body: dict[str, Any],
+                      skip_unavailable: bool = True) -> list[str]:
+        """The version this request goes to under the live weights (a conversation keeps its version),
+        then the other versions taking traffic, as fallbacks should it fail before its first byte.
+        Versions whose every replica is out (breakers open) are left out."""
+        if not model.versioned:
+            chosen, others = DEFAULT_VERSION, []
+        else:
+            view = self.traffic.view(model)
+            user = body.get("user")
+            session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
+            chosen = choose_version(model.name, view.weights, session)
+            others = [v for v, w in view.weights if w > 0 and v != chosen]
+        ordered = [chosen, *others]
+        if not skip_unavailable:
+            return ordered
+        return [v for v in ordered if self._routing_state(model, v).unavailable_for_s() is None]
+
+    async def _admitted(self, model: ModelConfig, endpoint: str, body: dict[str, Any], versions: list[str],
                         gate: AdmissionGate) -> Response:
         request_id = uuid.uuid4().hex
+        began = time.monotonic()
+        for i, version in enumerate(versions):
+            routing = self._routing_state(model, version)
+            try:
+                started = await self._start(model, version, routing, endpoint, body, request_id)
+            except _VersionFailed as failed:
+                self.traffic.record(model, version, False, None, None)
+                if i + 1 < len(versions):
+                    log.warning("model %s request %s: version %s could not take it (%s); trying version %s",
+                                model.name, request_id, version, failed.response.status_code, versions[i + 1])
+                    continue
+                return failed.response
+            first_byte_s = time.monotonic() - began
+            headers = {REPLICA_HEADER: started.replica, VERSION_HEADER: version}
+            if not started.head["stream"]:
+                routing.record_outcome(started.replica, False)
+                if started.head["status"] < 400:  # a client error says nothing about the version
+                    self.traffic.record(model, version, True, None, first_byte_s)
+                return JSONResponse(started.head["body"], status_code=started.head["status"], headers=headers)
+
+            def outcome(ok: bool, version: str = version, ttft: float = first_byte_s) -> None:
+                self.traffic.record(model, version, ok, ttft, time.monotonic() - began)
+
+            relay = _RelayEnd(started, routing, self._drain_tracker(model), gate, outcome)
+            return StreamingResponse(self._relay(started, model, routing, relay), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        raise AssertionError("no version to send to")  # _forward never passes an empty list
+
+    async def _start(self, model: ModelConfig, version: str, routing: DeploymentRouting, endpoint: str,
+                     body: dict[str, Any], request_id: str) -> _Started:
+        """Start the request on one version, failing over once between its replicas. Raises _VersionFailed
+        with the client's response when the version cannot serve it."""
 
         def failed(failure: ReplicaFailure) -> None:
             log.warning("model %s request %s: replica %s failed before the first byte: %s", model.name,
@@ -270,48 +463,45 @@ class Gateway:
             if avoid and routing.unavailable_for_s() is not None:
                 raise _AllReplicasOut()  # the failure just recorded opened the last breaker
             try:
-                return await self._attempt(model, routing, ReplicaRequest(request_id=request_id, avoid=avoid,
-                                                                          endpoint=endpoint, body=body))
+                return await self._attempt(model, version, routing,
+                                           ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
+                                                          body=body))
             finally:
                 routing.first_byte(request_id)  # answered or failed: its prefill no longer queues anywhere
 
         try:
-            started = await with_failover(attempt, model.routing.retry_once, failed)
+            return await with_failover(attempt, model.routing.retry_once, failed)
         except _QueueTimeout as timeout:
             if timeout.cold_start:
                 ops_metrics.rejection(model.name, "cold_start_timeout")
                 log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
                             model.name, timeout.waited_s)
-                return _error(503, f"model {model.name!r} is scaled to zero and no replica started within "
-                              f"{timeout.waited_s:g}s; retry shortly", code="cold_start_timeout",
-                              headers={"Retry-After": _RETRY_AFTER_S})
+                raise _VersionFailed(_error(
+                    503, f"model {model.name!r} is scaled to zero and no replica started within "
+                    f"{timeout.waited_s:g}s; retry shortly", code="cold_start_timeout",
+                    headers={"Retry-After": _RETRY_AFTER_S})) from None
             ops_metrics.rejection(model.name, "queue_timeout")
             log.warning("model %s: no replica accepted a request within %ss", model.name, timeout.waited_s)
-            return _error(503, f"no replica of model {model.name!r} could take the request within "
-                          f"{timeout.waited_s:g}s; retry shortly", code="queue_timeout",
-                          headers={"Retry-After": _RETRY_AFTER_S})
+            raise _VersionFailed(_error(
+                503, f"no replica of model {model.name!r} could take the request within {timeout.waited_s:g}s; "
+                "retry shortly", code="queue_timeout", headers={"Retry-After": _RETRY_AFTER_S})) from None
         except _AllReplicasOut:
-            return self._all_replicas_out(model, routing)
+            raise _VersionFailed(self._all_replicas_out(model, routing)) from None
         except (ReplicaFailure, _NoReplica) as exc:
             if isinstance(exc, _NoReplica):
                 log.warning("model %s: request failed before any replica took it: %r", model.name, exc.__cause__)
             ops_metrics.rejection(model.name, "model_unavailable")
-            return _error(503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
-                          code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})
-        headers = {REPLICA_HEADER: started.replica}
-        if not started.head["stream"]:
-            routing.record_outcome(started.replica, False)
-            return JSONResponse(started.head["body"], status_code=started.head["status"], headers=headers)
-        relay = _RelayEnd(started, routing, self._drain_tracker(model), gate)
-        return StreamingResponse(self._relay(started, model, routing, relay), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            raise _VersionFailed(_error(
+                503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
+                code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})) from None
 
-    async def _attempt(self, model: ModelConfig, routing: DeploymentRouting, request: ReplicaRequest) -> _Started:
+    async def _attempt(self, model: ModelConfig, version: str, routing: DeploymentRouting,
+                       request: ReplicaRequest) -> _Started:
         """Send once and wait for the replica's first answer: the reply head, and for a stream its first
         chunk too, so a replica that fails before any byte reaches the client can be failed over."""
         stream = None
         try:
-            stream = self.servers[model.name].options(stream=True).handle.remote(request)
+            stream = self.servers[model.name][version].options(stream=True).handle.remote(request)
             # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
             # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
             cold_start = self._scaled_to_zero(model, routing)
@@ -378,6 +568,7 @@ class Gateway:
         a replica that breaks or goes silent mid-stream ends the stream with an explicit error event, and
         so does a stream still running when its leaving replica's drain timeout is up."""
         finished = aborted = False
+        ok: bool | None = None  # served whole / broke; None: the client left or the platform drained it
         stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
         try:
             if started.first_chunk is not None:
@@ -388,7 +579,7 @@ class Gateway:
                 except StopAsyncIteration:
                     break
                 yield chunk
-            finished = True
+            finished = ok = True
             routing.record_outcome(replica, False)
         except _DrainTimeout:
             aborted = True
@@ -407,10 +598,11 @@ class Gateway:
             routing.record_outcome(replica, True, f"stream broke: {why}")
             _cancel(stream)
             err = error_body(f"the stream from model {model.name!r} broke: {why}", 503, code="stream_interrupted")
+            ok = False
             yield f"data: {json.dumps(err)}\n\n"
             finished = True
         finally:
-            end.close(finished, aborted)
+            end.close(finished, aborted, ok)
 
     def _all_replicas_out(self, model: ModelConfig, routing: DeploymentRouting) -> JSONResponse:
         ops_metrics.rejection(model.name, "replicas_unavailable")
@@ -424,14 +616,17 @@ class Gateway:
         """The model may scale to zero and this gateway knows of no running replica."""
         return model.autoscaling is not None and model.autoscaling.min_replicas == 0 and not routing.replicas
 
-    def _capacity(self, model: ModelConfig, routing: DeploymentRouting) -> int:
-        """Requests the model's running replicas take at once: this gateway's share. Until a router has
-        reported the running replicas (the first requests after a gateway starts), the configured
-        count stands in for them."""
-        if routing.synced:
-            replicas = len(routing.replicas)
-        else:
-            replicas = model.autoscaling.min_replicas if model.autoscaling else model.replicas
+    def _capacity(self, model: ModelConfig) -> int:
+        """Requests the running replicas of the model's serving versions take at once: this gateway's
+        share. Until a router has reported a version's running replicas (the first requests after a
+        gateway starts), the configured count stands in for them."""
+        replicas = 0
+        for version in self.traffic.serving(model):
+            routing = self._routing_state(model, version)
+            if routing.synced:
+                replicas += len(routing.replicas)
+            else:
+                replicas += model.autoscaling.min_replicas if model.autoscaling else model.replicas
         return replicas * model.max_ongoing_requests // self.config.gateway.replicas
 
     def _gate(self, model: ModelConfig) -> AdmissionGate:
@@ -447,12 +642,13 @@ class Gateway:
             tracker = self._drains[model.name] = DrainTracker(model.name)
         return tracker
 
-    def _routing_state(self, model: ModelConfig) -> DeploymentRouting:
-        """The routing state this process shares with the model's router (breakers, prefix index)."""
-        state = self._routing.get(model.name)
+    def _routing_state(self, model: ModelConfig, version: str) -> DeploymentRouting:
+        """The routing state this process shares with the router of one model version's deployment
+        (breakers, prefix index)."""
+        handle = self.servers[model.name][version]
+        state = self._routing.get(handle.deployment_name)
         if state is None:
-            handle = self.servers[model.name]
-            state = self._routing[model.name] = routing_state(
+            state = self._routing[handle.deployment_name] = routing_state(
                 deployment_key(handle.app_name, handle.deployment_name), model.name, model.routing_policy,
                 model.routing)
         return state

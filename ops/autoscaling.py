@@ -129,11 +129,18 @@ def queue_depth(ctx: Any) -> float:
 class QueueDepthPolicy:
     """Ray Serve autoscaling policy (`autoscaling_config.policy.policy_function`); Ray builds it once
     with `policy_kwargs` (the model's name and the ScalingSettings fields) and calls it on every
-    autoscaling tick, in the Serve controller. Each decision is exported (see `ops.metrics`)."""
+    autoscaling tick, in the Serve controller. Each decision is exported (see `ops.metrics`).
 
-    def __init__(self, model: str = "", **settings: Any):
+    For one version of a versioned model, `versioning` names the version; whether it runs at all is then
+    live state (`ops.control`): a retired version is held at 0 replicas, a live one is scaled as the
+    settings say. That state is read from the cluster's key-value store at most every
+    `LIVE_STATE_TTL_S` (this runs inside Ray's control loop, which must not wait)."""
+
+    def __init__(self, model: str = "", versioning: dict[str, Any] | None = None, **settings: Any):
         self.model = model
         self.settings = ScalingSettings(**settings)
+        self.versioning = versioning
+        self._live: tuple[float, bool] | None = None  # (when read, is this version live)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
@@ -142,7 +149,32 @@ class QueueDepthPolicy:
         target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
         depth = queue_depth(ctx)
         running = int(ctx.current_num_replicas or 0)
+        version = self.versioning["version"] if self.versioning else "default"
+        if self.versioning and not self._is_live(getattr(ctx, "app_name", None) or "", now):
+            metrics.autoscaling(self.model, 0, running, depth, version)
+            return 0, {"reason": "version retired"}
         decision = decide(int(target), depth, now, self.settings, ScalingState.from_dict(ctx.policy_state),
                           starting=max(0, int(target) - running))
-        metrics.autoscaling(self.model, decision.replicas, running, depth)
+        metrics.autoscaling(self.model, decision.replicas, running, depth, version)
         return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}
+
+    def _is_live(self, app: str, now: float) -> bool:
+        assert self.versioning is not None
+        if self._live is not None and now - self._live[0] < LIVE_STATE_TTL_S:
+            return self._live[1]
+        v = self.versioning
+        live = v["live_at_start"]
+        try:
+            from ops.control import live_entry, read_state
+
+            entry = live_entry(read_state(app), v["model"], v["fingerprint"])
+            if entry is not None:
+                live = v["version"] in entry["live"]
+        except Exception:  # noqa: BLE001 - the GCS briefly unreachable: keep the last answer
+            live = self._live[1] if self._live is not None else live
+        self._live = (now, live)
+        return live
+
+
+LIVE_STATE_TTL_S = 1.0
+

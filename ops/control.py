@@ -1,83 +1,355 @@
-"""The cluster-side state of a Shunter application: traffic weights per model and rollout states.
+"""The cluster-side state of a Shunter application, and the rollout controller that changes it.
 
-It lives in the cluster, not in any CLI process: a detached, named Ray actor per application, which
-saves every change to Ray's internal key-value store (kept by the GCS, which KubeRay can make fault
-tolerant). The actor restarts on failure and reloads what it saved, so a CLI killed mid-rollout, or
-the actor itself dying, loses nothing: the next call finds the state where it was.
+State (per application): for each model whose live state differs from its config file, the traffic
+weights of its versions and which versions run ("live"); and each model's latest rollout. It is kept in
+Ray's internal key-value store (held by the GCS, which KubeRay can make fault tolerant), written by one
+detached, named actor per application (`ShunterControl`), which also runs the rollouts.
 
-Readers (the gateway) poll `weights(since)` with the stamp they hold; the stamp rises on every change,
-so an unchanged state costs one small call and no copy.
+Readers never call the actor: the gateway (version choice) and Shunter's autoscaling policy (which
+versions run) read the key-value store directly, so serving does not depend on the actor being up. A
+model's live state carries the fingerprint of what the config file said about its versions when the
+state was written; a redeploy with other versions or weights starts from the file again.
+
+The actor restarts on failure and reloads what it saved; its loop then carries every unfinished rollout
+on from its saved state. A CLI killed mid-rollout therefore loses nothing, and neither does the actor:
+only the latency samples of the step in progress, so that step judges what arrives after the restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from ops import metrics
+from ops.rollout import (
+    Gates,
+    Phase,
+    RemoveVersion,
+    Rollout,
+    RolloutSpec,
+    SetWeights,
+    WindowStats,
+    advance,
+    pause,
+    percentile,
+    resume,
+    roll_back,
+    start,
+)
+
+log = logging.getLogger("ray.serve")
+
 NAMESPACE = "shunter"
 _KV_NAMESPACE = b"shunter"
+TICK_S = 1.0
+_MAX_SAMPLES = 50_000  # per model under rollout: hours of traffic at tens of requests per second
 
 
 def actor_name(app: str) -> str:
     return f"shunter-control-{app}"
 
 
+def _key(app: str) -> bytes:
+    return f"control/{app}".encode()
+
+
+# ---- readers: no actor involved ---------------------------------------------------------------------
+
+def read_state(app: str) -> dict[str, Any]:
+    """The saved state of `app` ({} when nothing was ever saved). A blocking call to the GCS: run it off
+    an event loop."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(_key(app), namespace=_KV_NAMESPACE)
+    return json.loads(raw) if raw else {}
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What serves a model now: ordered (version, weight) pairs, and the versions that run."""
+
+    weights: tuple[tuple[str, float], ...]
+    live: frozenset[str]
+    source: str  # "file": as the config says; "live": changed by a rollout or the admin API
+
+
+def live_entry(state: dict[str, Any], model: str, fingerprint: str) -> dict[str, Any] | None:
+    """The live state of `model` ({weights, live, fingerprint}), or None when it has none for this
+    config (never changed, or the file has changed since)."""
+    entry = (state.get("models") or {}).get(model)
+    return entry if entry and entry.get("fingerprint") == fingerprint else None
+
+
+def model_view(state: dict[str, Any], model: str, fingerprint: str,
+               file_weights: list[tuple[str, float]]) -> ModelView:
+    entry = live_entry(state, model, fingerprint)
+    if entry:
+        return ModelView(tuple((v, float(w)) for v, w in entry["weights"]), frozenset(entry["live"]), "live")
+    return ModelView(tuple((v, float(w)) for v, w in file_weights),
+                     frozenset(v for v, w in file_weights if w > 0), "file")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as the gateway saw it, for a rollout's gates."""
+
+    version: str
+    at: float  # wall-clock time it ended
+    ok: bool  # False: 5xx, a broken stream, a failed attempt; client errors are not sent at all
+    ttft_s: float | None  # streams only
+    e2e_s: float | None  # successful requests only
+
+
+def window_stats(samples: list[Sample], version: str, since: float) -> WindowStats:
+    mine = [s for s in samples if s.version == version and s.at >= since]
+    return WindowStats(
+        requests=len(mine),
+        errors=sum(1 for s in mine if not s.ok),
+        ttft_p95_s=percentile([s.ttft_s for s in mine if s.ok and s.ttft_s is not None], 0.95),
+        e2e_p95_s=percentile([s.e2e_s for s in mine if s.ok and s.e2e_s is not None], 0.95),
+    )
+
+
+# ---- the writer -------------------------------------------------------------------------------------
+
+class RolloutRefused(ValueError):
+    """A rollout command that cannot apply now; the message says why and what to do."""
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class ShunterControl:
-    def __init__(self, app: str):
+    """One per application. `context` arguments describe a model as the gateway's config has it
+    (see `deployments.gateway.Gateway._control_context`): the actor holds no config of its own."""
+
+    def __init__(self, app: str, tick_s: float = TICK_S):
         self.app = app
-        self._key = f"control/{app}".encode()
-        self.state: dict[str, Any] = {"stamp": 0, "weights": {}, "rollouts": {}}
-        saved = _kv_get(self._key)
+        self.tick_s = tick_s
+        self.state: dict[str, Any] = {"stamp": 0, "models": {}, "rollouts": {}}
+        saved = read_state(app)
         if saved:
-            self.state = json.loads(saved)
+            self.state = {"stamp": 0, "models": {}, "rollouts": {}, **saved}
+        self._samples: dict[str, deque[Sample]] = {}
+        self._loop: asyncio.Task[None] | None = None
+        self._status: Any = None  # test seam: a callable returning serve.status()
 
-    def weights(self, since: int = -1) -> tuple[int, dict[str, list[tuple[str, float]]] | None]:
-        """(stamp, every model's ordered (version, weight) list), or (stamp, None) when unchanged."""
-        if since == self.state["stamp"]:
-            return since, None
-        return self.state["stamp"], {m: [tuple(w) for w in ws] for m, ws in self.state["weights"].items()}
+    # -- commands ----------------------------------------------------------------------------------
 
-    def set_weights(self, model: str, weights: list[tuple[str, float]]) -> int:
-        """Replace one model's weights (an ordered list: the version listed first takes the low end of the
-        session hash range; see routing.versions)."""
-        if not weights or any(w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
-            raise ValueError(f"weights for {model!r} need a version with weight > 0 and none below 0: {weights}")
-        self.state["weights"][model] = [[v, float(w)] for v, w in weights]
-        return self._save()
+    async def state_now(self) -> dict[str, Any]:
+        self._ensure_loop()
+        return self.state
 
-    def rollout(self, model: str) -> dict[str, Any] | None:
-        return self.state["rollouts"].get(model)
+    async def start_rollout(self, context: dict[str, Any], to: str,
+                            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._ensure_loop()
+        model = context["model"]
+        current = self.state["rollouts"].get(model)
+        if current and current["rollout"]["phase"] != Phase.DONE.value:
+            raise RolloutRefused(f"model {model!r} already has a rollout in phase {current['rollout']['phase']}; "
+                                 "wait for it, or roll it back first")
+        if to not in context["versions"]:
+            raise RolloutRefused(f"model {model!r} has no version {to!r} in its config; it has: "
+                                 f"{', '.join(context['versions'])}")
+        view = self._view(context)
+        serving = [v for v, w in view.weights if w > 0]
+        if serving == [to]:
+            raise RolloutRefused(f"version {to!r} of model {model!r} already takes all its traffic")
+        if len(serving) != 1:
+            raise RolloutRefused(f"model {model!r} splits its traffic over {serving}; a rollout starts from one "
+                                 "version with all of it (set the weights first)")
+        settings = {**context["rollout"], **(overrides or {})}
+        try:
+            spec = RolloutSpec(model=model, old=serving[0], new=to, steps=tuple(settings["steps"]),
+                               hold_s=float(settings["hold_s"]), max_hold_s=float(settings["max_hold_s"]),
+                               ready_timeout_s=float(settings["ready_timeout_s"]), gates=Gates(**settings["gates"]))
+        except (TypeError, ValueError) as exc:
+            raise RolloutRefused(f"invalid rollout settings: {exc}") from None
+        rollout, actions = start(spec, time.time())
+        self._set_model(context, [(spec.new, 0.0), (spec.old, 100.0)], view.live | {spec.old, spec.new})
+        self._samples[model] = deque(maxlen=_MAX_SAMPLES)
+        return self._save_rollout(context, rollout, actions, "start")
 
-    def save_rollout(self, model: str, rollout: dict[str, Any] | None) -> int:
-        if rollout is None:
-            self.state["rollouts"].pop(model, None)
-        else:
-            self.state["rollouts"][model] = rollout
-        return self._save()
+    async def pause(self, model: str) -> dict[str, Any]:
+        entry = self._entry(model)
+        return self._save_rollout(entry["context"], pause(self._rollout(entry), time.time()), [], "pause")
 
-    def _save(self) -> int:
+    async def resume(self, model: str) -> dict[str, Any]:
+        entry = self._entry(model)
+        return self._save_rollout(entry["context"], resume(self._rollout(entry), time.time()), [], "resume")
+
+    async def rollback(self, model: str, reason: str = "operator asked") -> dict[str, Any]:
+        entry = self._entry(model)
+        before = self._rollout(entry)
+        after, actions = roll_back(before, time.time(), reason)
+        if after is before:
+            raise RolloutRefused(f"the rollout of {model!r} is {before.phase.value}; nothing to roll back")
+        return self._save_rollout(entry["context"], after, actions, "rollback")
+
+    async def set_weights(self, context: dict[str, Any], weights: list[tuple[str, float]]) -> dict[str, Any]:
+        """An operator's traffic split. Versions given weight > 0 run; the others are retired."""
+        self._ensure_loop()
+        model = context["model"]
+        current = self.state["rollouts"].get(model)
+        if current and current["rollout"]["phase"] != Phase.DONE.value:
+            raise RolloutRefused(f"model {model!r} has a rollout in progress; pause or roll it back first")
+        unknown = [v for v, _ in weights if v not in context["versions"]]
+        if unknown:
+            raise RolloutRefused(f"model {model!r} has no version {unknown[0]!r}; it has: "
+                                 f"{', '.join(context['versions'])}")
+        if any(w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
+            raise RolloutRefused(f"weights need a version above 0 and none below 0: {dict(weights)}")
+        self._set_model(context, weights, frozenset(v for v, w in weights if w > 0))
+        self._save()
+        log.info("model %s: traffic weights set to %s by an operator", model, dict(weights))
+        return self.state["models"][model]
+
+    async def report(self, model: str, samples: list[tuple[str, float, bool, float | None, float | None]]) -> None:
+        """The gateways' request outcomes of a model under rollout."""
+        self._ensure_loop()
+        bucket = self._samples.setdefault(model, deque(maxlen=_MAX_SAMPLES))
+        bucket.extend(Sample(*s) for s in samples)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            for model, entry in list(self.state["rollouts"].items()):
+                if entry["rollout"]["phase"] == Phase.DONE.value:
+                    continue
+                try:
+                    await self._tick(model, entry)
+                except Exception:  # noqa: BLE001 - one model's trouble must not stop the others' rollouts
+                    log.exception("rollout of model %s: tick failed; retrying", model)
+            await asyncio.sleep(self.tick_s)
+
+    async def _tick(self, model: str, entry: dict[str, Any]) -> None:
+        r = self._rollout(entry)
+        if r.paused:
+            return
+        context, spec = entry["context"], r.spec
+        deployments = await asyncio.to_thread(self._deployments, context)
+        new = deployments.get(spec.new, {})
+        new_ready = new.get("running", 0) >= context["ready_replicas"] and new.get("status") == "HEALTHY"
+        # A first deploy that cannot start is DEPLOY_FAILED; a scale-up from zero that cannot is UNHEALTHY,
+        # triggered by the failed start (Ray keeps retrying it; the rollout does not wait for that).
+        failed = new.get("status") == "DEPLOY_FAILED" or (
+            new.get("status") == "UNHEALTHY" and new.get("trigger") == "REPLICA_STARTUP_FAILED")
+        new_failed = _short(new.get("message") or "its replicas failed to start") if failed else None
+        leaving = spec.old if r.phase is Phase.PROMOTED else spec.new if r.phase is Phase.ROLLING_BACK else None
+        removed = leaving is not None and deployments.get(leaving, {}).get("total", 0) == 0
+        samples = list(self._samples.get(model, ()))
+        old_stats = new_stats = None
+        if r.step_started_at is not None:
+            new_stats = window_stats(samples, spec.new, r.step_started_at)
+            old_stats = window_stats(samples, spec.old, r.step_started_at)
+            if old_stats.requests < spec.gates.min_requests:  # little old traffic left: the whole rollout's
+                old_stats = window_stats(samples, spec.old, r.started_at)
+        after, actions = advance(r, time.time(), new_ready, new_failed, old_stats, new_stats, removed)
+        if after != r:
+            self._save_rollout(context, after, actions, _decision(r, after))
+
+    def _deployments(self, context: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Per version: Ray's status of its deployment and its replica counts."""
+        from ray import serve
+
+        status = self._status() if self._status else serve.status()
+        app = status.applications.get(self.app)
+        found: dict[str, dict[str, Any]] = {}
+        for version, name in context["deployments"].items():
+            dep = app.deployments.get(name) if app else None
+            if dep is None:
+                continue
+            states = {str(getattr(k, "value", k)): n for k, n in dep.replica_states.items()}
+            found[version] = {"status": str(getattr(dep.status, "value", dep.status)), "message": dep.message,
+                              "trigger": str(getattr(dep.status_trigger, "value", dep.status_trigger)),
+                              "running": states.get("RUNNING", 0), "total": sum(states.values())}
+        return found
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def _view(self, context: dict[str, Any]) -> ModelView:
+        return model_view(self.state, context["model"], context["fingerprint"],
+                          [(v, w) for v, w in context["file_weights"]])
+
+    def _set_model(self, context: dict[str, Any], weights: list[tuple[str, float]], live: frozenset[str]) -> None:
+        self.state["models"][context["model"]] = {"fingerprint": context["fingerprint"],
+                                                  "weights": [[v, float(w)] for v, w in weights],
+                                                  "live": sorted(live)}
+
+    def _entry(self, model: str) -> dict[str, Any]:
+        self._ensure_loop()
+        entry = self.state["rollouts"].get(model)
+        if entry is None:
+            raise RolloutRefused(f"model {model!r} has no rollout")
+        return entry
+
+    @staticmethod
+    def _rollout(entry: dict[str, Any]) -> Rollout:
+        return Rollout.from_dict(entry["rollout"])
+
+    def _save_rollout(self, context: dict[str, Any], rollout: Rollout, actions: list[Any],
+                      decision: str | None) -> dict[str, Any]:
+        model, spec = context["model"], rollout.spec
+        entry = self.state["models"].get(model)
+        live = set(entry["live"]) if entry else {spec.old}
+        weights = [[v, float(w)] for v, w in entry["weights"]] if entry else [[spec.old, 100.0]]
+        for action in actions:
+            if isinstance(action, SetWeights):  # the incoming version first: see routing.versions
+                weights = [[spec.new, float(action.weights[spec.new])], [spec.old, float(action.weights[spec.old])]]
+            elif isinstance(action, RemoveVersion):
+                live.discard(action.version)
+        self.state["models"][model] = {"fingerprint": context["fingerprint"], "weights": weights,
+                                       "live": sorted(live)}
+        self.state["rollouts"][model] = {"context": context, "rollout": rollout.to_dict()}
+        self._save()
+        last = rollout.history[-1] if rollout.history else None
+        if last is not None and decision:
+            log.info("rollout of model %s: %s; phase %s, weights %s%s", model, last.reason, last.phase,
+                     last.weights, f", gates {last.gates}" if last.gates else "")
+        metrics.rollout(model, rollout.phase.value, rollout.step, dict(rollout.weights),
+                        last.gates if last else None, decision)
+        return self.state["rollouts"][model]
+
+    def _save(self) -> None:
+        from ray.experimental import internal_kv
+
+        # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
         self.state["stamp"] += 1
-        _kv_put(self._key, json.dumps(self.state).encode())
-        return self.state["stamp"]
+        internal_kv._internal_kv_put(_key(self.app), json.dumps(self.state).encode(), overwrite=True,
+                                     namespace=_KV_NAMESPACE)
+
+
+def _short(message: str) -> str:
+    """Ray's failure message carries a whole traceback: keep its first line and the exception's."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return message[:400]
+    return f"{lines[0][:200]} ... {lines[-1][:200]}"
+
+
+def _decision(before: Rollout, after: Rollout) -> str:
+    if after.phase is Phase.ROLLING_BACK:
+        return "rollback"
+    if after.phase is Phase.PROMOTED:
+        return "promote"
+    if after.phase is Phase.DONE:
+        return "done"
+    if before.phase is Phase.DEPLOYING:
+        return "ready"
+    return "step"
 
 
 def control(app: str) -> Any:
     """The application's control actor, started if it is not running (call inside a Ray job)."""
     return ShunterControl.options(name=actor_name(app), namespace=NAMESPACE, lifetime="detached",
                                   get_if_exists=True).remote(app)
-
-
-def _kv_put(key: bytes, value: bytes) -> None:
-    # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=_KV_NAMESPACE)
-
-
-def _kv_get(key: bytes) -> bytes | None:
-    from ray.experimental import internal_kv
-
-    return internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)

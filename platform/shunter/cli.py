@@ -9,6 +9,9 @@
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
+    shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
+    shunter rollout status|pause|resume|rollback MODEL
+    shunter weights set MODEL V1=90 V2=10      live traffic weights, no restart
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
+
+    from shunter.cli_rollout import add_parsers as add_rollout_parsers
+
+    add_rollout_parsers(sub)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "suite"):

@@ -10,6 +10,10 @@ EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the m
   A word `pace=<seconds>` in the message sets the delay between words (default 0.05 s), for long
   streams; with it, a non-streamed reply takes as long as its stream would (else it is instant).
 - `fake:never-starts`: raises during start-up, every time.
+- `fake:broken`: starts, then answers every request with a 500 (a bad new version).
+- `fake:slow`: like `fake:flaky`, but waits `SLOW_S` before answering and streams ten times slower (a
+  new version far slower than the old).
+- any other source: the real vLLM engine (so a test can run a real old version beside a fake new one).
 
 Per-replica faults, switched by the test while the app runs: when the environment names a control
 directory (`SHUNTER_FAULT_DIR`), the file `<dir>/<replica id>` holds this replica's mode: `ok`, `error`
@@ -30,6 +34,8 @@ from typing import Any
 from shunter.engine import EngineReply, EngineSpec
 from shunter.errors import error_body
 
+SLOW_S = 1.0
+
 
 class FaultInjectingEngine:
     def __init__(self, spec: EngineSpec, replica: str):
@@ -40,7 +46,11 @@ class FaultInjectingEngine:
         self.control = Path(control) if control else None
 
     @classmethod
-    async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> FaultInjectingEngine:
+    async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> Any:
+        if not spec.model_path.startswith("fake:"):
+            from shunter.engine import VLLMEngine
+
+            return await VLLMEngine.start(spec, env)
         if spec.model_path == "fake:never-starts":
             raise RuntimeError("fault injection: this engine never starts")
         from ray import serve
@@ -52,6 +62,8 @@ class FaultInjectingEngine:
         return cls(spec, serve.get_replica_context().replica_id.unique_id)
 
     def _mode(self) -> str:
+        if self.spec.model_path == "fake:broken":
+            return "fail500"
         if self.control is None:
             return "ok"
         try:
@@ -76,15 +88,18 @@ class FaultInjectingEngine:
             return EngineReply(500, error_body("fault injection: internal engine error", 500))
         if mode == "hang":
             await asyncio.sleep(3600)
+        slow = self.spec.model_path == "fake:slow"
+        if slow:
+            await asyncio.sleep(SLOW_S)
         if not body.get("stream"):
             if (pace := _pace(text)) is not None:
                 await asyncio.sleep(pace * len(text.split()))
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "finish_reason": "stop"}]})
-        return EngineReply(200, stream=self._stream(text))
+        return EngineReply(200, stream=self._stream(text, 10 if slow else 1))
 
-    async def _stream(self, text: str) -> AsyncIterator[str]:
+    async def _stream(self, text: str, slower: float = 1) -> AsyncIterator[str]:
         self.unfinished += 1  # like an engine's running requests: the autoscaler's signal
         try:
             for i, word in enumerate(text.split()):
@@ -93,7 +108,7 @@ class FaultInjectingEngine:
                 chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
                          "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(_pace(text) or 0.05)
+                await asyncio.sleep((_pace(text) or 0.05) * slower)
             yield "data: [DONE]\n\n"
         finally:
             self.unfinished -= 1

@@ -1,5 +1,6 @@
-"""The cluster-side control state (ops/control.py) on a real local Ray cluster: it survives the death
-of its actor and of the process that wrote it."""
+"""The cluster-side control state (ops/control.py) on a real local Ray cluster: what a process that has
+since exited wrote survives the death of the control actor, readers see it without calling the actor,
+and it holds only for the config it was written against."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 from tests.integration.fake_app import ROOT
 
-WRITER = """
+CONTEXT = {"model": "smol", "fingerprint": "f1", "versions": ["v1", "v2"], "file_weights": [["v1", 100.0], ["v2", 0.0]],
+           "deployments": {"v1": "model-smol--v1", "v2": "model-smol--v2"}, "ready_replicas": 1, "rollout": {}}
+WRITER = f"""
 import sys
 import ray
 from ops.control import control
 ray.init(address=sys.argv[1], namespace="writer")
-ray.get(control("app1").set_weights.remote("smol", [("v2", 10), ("v1", 90)]))
-ray.get(control("app1").save_rollout.remote("smol", {"phase": "shifting", "step": 0}))
+ray.get(control("app1").set_weights.remote({CONTEXT!r}, [("v2", 10), ("v1", 90)]))
 """
 
 
@@ -38,28 +40,34 @@ def gcs_address() -> Iterator[str]:
 def test_state_written_by_a_process_that_ended_survives_the_actor_dying(gcs_address):
     import ray
 
-    from ops.control import NAMESPACE, actor_name, control
+    from ops.control import NAMESPACE, RolloutRefused, actor_name, control, model_view, read_state
 
-    # Another process (like a rollout CLI) writes, then exits. `ray.init` turned token auth on.
+    # Another process (like a CLI) writes, then exits. `ray.init` turned token auth on.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "token"}
     written = subprocess.run([sys.executable, "-c", WRITER, gcs_address], cwd=ROOT, capture_output=True,
                              text=True, env=env, timeout=120)
     assert written.returncode == 0, written.stderr[-2000:]
-    actor = control("app1")
-    stamp, weights = ray.get(actor.weights.remote())
-    assert weights == {"smol": [("v2", 10.0), ("v1", 90.0)]}, "the writer has exited; its state has not"
-    assert ray.get(actor.weights.remote(stamp)) == (stamp, None), "an unchanged state is not sent again"
+    file_weights = [("v1", 100.0), ("v2", 0.0)]
+    view = model_view(read_state("app1"), "smol", "f1", file_weights)
+    assert view.weights == (("v2", 10.0), ("v1", 90.0)) and view.live == {"v1", "v2"} and view.source == "live"
+    other_config = model_view(read_state("app1"), "smol", "f2", file_weights)
+    assert other_config.weights == tuple(file_weights) and other_config.live == {"v1"}, \
+        "a redeploy with another config starts from the file"
 
+    actor = control("app1")
     ray.kill(ray.get_actor(actor_name("app1"), namespace=NAMESPACE), no_restart=False)
     deadline = time.monotonic() + 60
     while True:
         try:
-            restarted = ray.get(actor.rollout.remote("smol"), timeout=10)
+            state = ray.get(actor.state_now.remote(), timeout=10)
             break
         except ray.exceptions.RayActorError:
             assert time.monotonic() < deadline, "the control actor did not restart"
             time.sleep(1)
-    assert restarted == {"phase": "shifting", "step": 0}
-    assert ray.get(actor.weights.remote())[1] == {"smol": [("v2", 10.0), ("v1", 90.0)]}
-    with pytest.raises(ray.exceptions.RayTaskError, match="need a version with weight > 0"):
-        ray.get(actor.set_weights.remote("smol", [("v1", 0)]))
+    assert state["models"]["smol"]["weights"] == [["v2", 10.0], ["v1", 90.0]], "the restarted actor reloaded it"
+    with pytest.raises(RolloutRefused, match="need a version above 0"):
+        ray.get(actor.set_weights.remote(CONTEXT, [("v1", 0)]))
+    with pytest.raises(RolloutRefused, match="no version 'v9'"):
+        ray.get(actor.start_rollout.remote(CONTEXT, "v9"))
+    with pytest.raises(RolloutRefused, match="splits its traffic"):
+        ray.get(actor.start_rollout.remote(CONTEXT, "v2"))
