@@ -12,10 +12,12 @@ Policies:
 - `PowerOfTwoRouter` is Ray Serve's default policy behind the guard;
 - any other Ray RequestRouter runs behind the guard too (policy `custom`, see `routing.custom`).
 
-Load is the replica's in-flight count as Ray's own queue-length cache knows it (what the replica reported
-with its last answer, plus what this process sent since), or this process's own count when that entry
-is stale. Nothing here makes a remote call; Ray's base class probes a replica's queue length only when
-its cached entry has gone stale (no traffic for 10 s) or the replica reported itself full.
+Load is the larger of two counts: this process's own (requests it has in flight on the replica, plus
+those a router just chose it for and is still sending: a burst is routed concurrently, so a choice must
+count before Ray reports the send), and Ray's queue-length cache (what the replica reported with its
+last answer, plus what that router sent since), which also sees other gateway replicas' traffic.
+Nothing here makes a remote call; Ray's base class probes a replica's queue length only when its cached
+entry has gone stale (no traffic for 10 s) or the replica reported itself full.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class ShunterGuard:
         request_id = (hint.request_id if hint is not None and hint.request_id
                       else pending_request.metadata.internal_request_id)
         self._routed[pending_request.metadata.internal_request_id] = (replica, request_id)
+        state.unreserve(pending_request.metadata.internal_request_id)
         if getattr(pending_request, "_shunter_skipped", False):
             metrics.decision(state.model, state.policy, BREAKER_SKIP)
         if hint is not None and hint.avoid:
@@ -143,13 +146,21 @@ class ShunterGuard:
         return self.policy_name
 
     def _load(self, replica: RunningReplica) -> int:
+        ours = self._shunter.load(replica.replica_id.unique_id)
         cached = self._replica_queue_len_cache.get(replica.replica_id)  # type: ignore[attr-defined]
-        return cached if cached is not None else self._shunter.load(replica.replica_id.unique_id)
+        return ours if cached is None else max(ours, cached)
 
-    def _by_least_load(self, allowed: list[RunningReplica]) -> list[list[RunningReplica]]:
+    def _reserve(self, pending: PendingRequest | None, order: tuple[str, ...], prefill_tokens: int = 0) -> None:
+        """Count the request on its first-ranked replica until Ray reports where it went."""
+        if pending is not None and order:
+            self._shunter.reserve(pending.metadata.internal_request_id, order[0], prefill_tokens)
+
+    def _by_least_load(self, allowed: list[RunningReplica],
+                       pending: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Ranked groups of one replica each, fewest requests in flight first."""
         by_id = {r.replica_id.unique_id: r for r in allowed}
         ranking = rank_least_connections([Candidate(i, self._load(r)) for i, r in by_id.items()], self._rng)
+        self._reserve(pending, ranking.order)
         return [[by_id[i]] for i in ranking.order]
 
 
@@ -160,7 +171,7 @@ class LeastConnectionsRouter(ShunterGuard, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        return self._by_least_load(self._guard(candidate_replicas, pending_request))
+        return self._by_least_load(self._guard(candidate_replicas, pending_request), pending_request)
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
         return LEAST_LOADED
@@ -176,7 +187,7 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
         allowed = self._guard(candidate_replicas, pending_request)
         hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request is not None else None
         if not isinstance(hint, ReplicaRequest):  # ready(), stats(): no prompt to match
-            return self._by_least_load(allowed)
+            return self._by_least_load(allowed, pending_request)
         by_id = {r.replica_id.unique_id: r for r in allowed}
         state = self._shunter
         key = getattr(pending_request, "_shunter_key", None)
@@ -188,6 +199,9 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
         ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
                                     self._rng)
         pending_request._shunter_most = max((c.matched for c in candidates), default=0)
+        if ranking.order:
+            first = next(c for c in candidates if c.replica == ranking.order[0])
+            self._reserve(pending_request, ranking.order, key.uncached_tokens(first.matched))
         return [[by_id[i]] for i in ranking.order]
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:

@@ -43,6 +43,8 @@ class DeploymentRouting:
         self._probes: set[str] = set()  # request ids holding a half-open probe slot
         self._prefill: dict[str, tuple[str, int]] = {}  # request id -> (replica, tokens not yet prefilled)
         self.pending: dict[str, int] = {}  # replica -> prompt tokens sent and not yet prefilled
+        # request -> (replica, prompt tokens, when): chosen by a router and not yet sent (see `reserve`)
+        self._reserved: dict[str, tuple[str, int, float]] = {}
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
@@ -50,10 +52,32 @@ class DeploymentRouting:
             return self.breakers.allows(replica)
 
     def load(self, replica: str) -> int:
-        return self.inflight.get(replica, 0)
+        """Requests in flight on the replica, counting those a router chose it for and is still sending."""
+        with self._lock:
+            self._expire_reservations()
+            return self.inflight.get(replica, 0) + sum(1 for r, _, _ in self._reserved.values() if r == replica)
 
     def pending_prefill(self, replica: str) -> int:
-        return self.pending.get(replica, 0)
+        with self._lock:
+            return self.pending.get(replica, 0) + sum(t for r, t, _ in self._reserved.values() if r == replica)
+
+    def reserve(self, request_id: str, replica: str, prefill_tokens: int = 0) -> None:
+        """A router ranked `replica` first for the request. Ray sends it (and may wait for the replica to
+        accept) before `dispatched` counts it, and routes a burst's requests concurrently meanwhile:
+        without this, every request of a burst saw the same loads and piled onto one replica. A
+        reservation ends when the request is dispatched or ranked again, or after RESERVATION_TTL_S."""
+        with self._lock:
+            self._reserved[request_id] = (replica, prefill_tokens, self.clock())
+
+    def unreserve(self, request_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(request_id, None)
+
+    def _expire_reservations(self) -> None:
+        # A request cancelled while Ray routed it is never dispatched; its reservation must not linger.
+        cutoff = self.clock() - RESERVATION_TTL_S
+        for request_id in [k for k, (_, _, at) in self._reserved.items() if at < cutoff]:
+            del self._reserved[request_id]
 
     def matched(self, replica: str, keys: tuple[bytes, ...]) -> int:
         with self._lock:
@@ -81,6 +105,8 @@ class DeploymentRouting:
                 del self.inflight[replica]
             for replica in [r for r in self.pending if r not in self.replicas]:
                 del self.pending[replica]
+            for request_id in [k for k, (r, _, _) in self._reserved.items() if r not in self.replicas]:
+                del self._reserved[request_id]
             for replica, reported in (stats or {}).items():
                 blocks = reported.get("kv_cache_blocks")
                 if blocks:
@@ -102,6 +128,8 @@ class DeploymentRouting:
             self.prefix.drop(replica)
             self.inflight.pop(replica, None)
             self.pending.pop(replica, None)
+            for request_id in [k for k, (r, _, _) in self._reserved.items() if r == replica]:
+                del self._reserved[request_id]
 
     def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0) -> None:
         with self._lock:
@@ -154,6 +182,9 @@ class DeploymentRouting:
         metrics.breaker_state(self.model, replica, after.level, to=after.value)
 
 
+# Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a
+# backoff of at most a few seconds; a reservation older than this belongs to a request that went away.
+RESERVATION_TTL_S = 10.0
 # Departures are remembered this long: far past any drain timeout, and bounded for long-lived gateways.
 _DEPARTED_KEPT_S = 6 * 3600.0
 

@@ -109,7 +109,8 @@ def test_a_hot_prefix_spreads_when_its_replica_queues_up(two_replicas):
     async def burst() -> list[str]:
         async def one(q: int) -> str:
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, max_tokens=16, temperature=0,
+                # Long enough answers that the burst overlaps on the holder however slowly it arrives.
+                model=MODEL, max_tokens=48, temperature=0,
                 messages=[{"role": "system", "content": LONG_PREFIX},
                           {"role": "user", "content": f"Who delivers batch {7 * q}?"}])
             return raw.headers[HEADER]

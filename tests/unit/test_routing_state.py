@@ -139,3 +139,33 @@ def test_pending_prefill_counts_until_the_first_byte_or_the_end():
     assert state.pending_prefill("r2") == 70
     state.sync_replicas(["r1"])
     assert state.pending_prefill("r2") == 0
+
+
+def test_a_reservation_counts_until_the_request_is_dispatched():
+    """A burst is routed concurrently: a replica chosen for a request still being sent carries it."""
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1", "r2"])
+    state.reserve("a", "r1", prefill_tokens=100)
+    state.reserve("b", "r1", prefill_tokens=50)
+    assert state.load("r1") == 2 and state.pending_prefill("r1") == 150 and state.load("r2") == 0
+    state.reserve("b", "r2", prefill_tokens=50)  # ranked again after a rejection: it moves
+    assert state.load("r1") == 1 and state.load("r2") == 1
+    state.unreserve("a")
+    state.dispatched("r1", "a", prefill_tokens=100)
+    assert state.load("r1") == 1 and state.pending_prefill("r1") == 100, "counted once, not twice"
+
+
+def test_a_reservation_never_dispatched_expires_and_a_departed_replica_drops_its_own():
+    from routing.state import RESERVATION_TTL_S
+
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1", "r2"])
+    state.reserve("gone", "r1")
+    state.reserve("r2-bound", "r2")
+    clock.now += RESERVATION_TTL_S + 1
+    assert state.load("r1") == 0, "a request cancelled while routed does not hold load forever"
+    state.reserve("r2-bound", "r2")
+    state.sync_replicas(["r1"])
+    assert state.load("r2") == 0
