@@ -81,6 +81,8 @@ def wait_done(base: str, model: str, timeout_s: float = 240) -> dict[str, Any]:
 
 
 def timeline(status: dict[str, Any]) -> str:
-    start = status["rollout"]["history"][0]["at"]
-    return "\n".join(f"  +{e['at'] - start:6.1f}s {e['phase']:12} {e['weights']} {e['reason']}"
-                     for e in status["rollout"]["history"])
+    """The rollout's history as `shunter rollout status` prints it: time, phase, weights, reason, gates."""
+    from shunter.cli_rollout import event_line
+
+    rollout = status["rollout"]
+    return "\n".join(event_line(rollout, e) for e in rollout["history"])

@@ -129,7 +129,7 @@ def _follow(url: str, model: str, status: dict[str, Any]) -> int:
             rollout = status.get("rollout") or {}
             history = rollout.get("history", [])
             for event in history[shown:]:
-                print(_event_line(rollout, event), flush=True)
+                print(event_line(rollout, event), flush=True)
             shown = len(history)
             if rollout.get("phase") == "done":
                 print(f"{model}: {rollout['outcome']}; weights {_weights(status)}")
@@ -153,10 +153,10 @@ def _print_status(status: dict[str, Any]) -> None:
     outcome = f", {rollout['outcome']}" if rollout.get("outcome") else ""
     print(f"rollout {spec['old']} -> {spec['new']}: {state}{outcome}; steps {spec['steps']}, hold {spec['hold_s']:g}s")
     for event in rollout["history"]:
-        print(_event_line(rollout, event))
+        print(event_line(rollout, event))
 
 
-def _event_line(rollout: dict[str, Any], event: dict[str, Any]) -> str:
+def event_line(rollout: dict[str, Any], event: dict[str, Any]) -> str:
     offset = event["at"] - rollout["history"][0]["at"]  # started_at moves on resume; the first event does not
     gates = event.get("gates")
     shown = ""

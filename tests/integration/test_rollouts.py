@@ -8,13 +8,15 @@ the old version serving throughout: no request the old version could serve fails
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.fake_app import ROOT, fake_engine_app
 from tests.rollout_client import Load, start_rollout, timeline, wait_done
 
 APP = "rollouts"
@@ -82,6 +84,43 @@ def test_a_good_version_is_promoted_and_the_old_one_removed(app, load):
     assert versions[-1] == "v2" and "v1" in versions
     for seen in load.conversations().values():  # a conversation moves from v1 to v2 at most once, never back
         assert seen == sorted(seen, key=lambda v: v == "v2"), seen
+
+
+def _cli(app: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shunter.cli", *args, "--url", app], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_killing_the_cli_and_the_control_actor_mid_rollout_loses_nothing(app, load):
+    import ray
+
+    from ops.control import NAMESPACE, actor_name
+
+    serving = httpx.get(f"{app}/admin/rollouts/{MODEL}", timeout=30).json()["live"][0]
+    other = "v1" if serving == "v2" else "v2"
+    watching = _cli(app, "rollout", "start", MODEL, "--to", other)
+    seen = []
+    for line in watching.stdout:  # the CLI follows the timeline; kill it once traffic has started moving
+        seen.append(line)
+        if "shifting" in line:
+            break
+    watching.kill()
+    watching.wait(timeout=30)
+    assert any("shifting" in line for line in seen), "".join(seen)
+    # The rollout's process dies too; Ray restarts it and it reloads the rollout from the KV store.
+    ray.kill(ray.get_actor(actor_name(APP), namespace=NAMESPACE), no_restart=False)
+
+    again = _cli(app, "rollout", "status", MODEL, "--follow")
+    out, _ = again.communicate(timeout=180)
+    assert again.returncode == 0, out
+    assert f"{MODEL}: promoted; weights {other}=100, {serving}=0" in out, out
+    assert out.count("shifting") == 3, "the second CLI printed the whole timeline, every step"
+    status = wait_done(app, MODEL)
+    assert [e["weights"][other] for e in status["rollout"]["history"] if e["phase"] == "shifting"] == [10, 50, 100]
+    assert status["live"] == [other]
+    load.stop.set()
+    time.sleep(1)
+    assert not load.failures(), load.failures()[:5]
 
 
 @pytest.mark.parametrize("bad, why", [("never", "failed to start"), ("broken", "error rate"),

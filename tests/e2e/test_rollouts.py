@@ -1,0 +1,89 @@
+"""Blue-green rollouts with real engines under steady load: SmolLM2 v1 -> v2 (both real vLLM engines, one
+core each) is promoted with no failed request and no cut stream; then a bad new version (the FAKE
+fault-injecting engine answering 500, tests/integration/fault_engine.py) is rolled back while the real
+v2 keeps serving. `-s` prints both timelines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.integration.fake_app import fake_engine_app
+from tests.rollout_client import Load, start_rollout, timeline, wait_done
+
+pytestmark = pytest.mark.own_cluster
+
+APP = "rollouts-e2e"
+MODEL = "smol"
+SMOL = "builtin:smollm2-135m-instruct"
+ARGS = {
+    "models": [{
+        "name": MODEL,
+        "engine": {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
+        "versions": [
+            {"name": "v1", "source": SMOL, "weight": 100},
+            {"name": "v2", "source": SMOL, "engine": {"max_num_seqs": 8}},
+            {"name": "broken", "source": "fake:broken"},
+        ],
+        # Two engines share two cores and the load: latency noise is large, so the latency gates are
+        # loose; errors are judged strictly.
+        "rollout": {"steps": [10, 50, 100], "hold_s": 10, "max_hold_s": 120, "ready_timeout_s": 300,
+                    "gates": {"min_requests": 5, "max_error_rate_increase": 0.02, "max_ttft_p95_ratio": 4,
+                              "max_e2e_p95_ratio": 4, "latency_slack_s": 1.0}},
+        "draining": {"timeout_s": 60},
+    }],
+}
+
+
+@pytest.fixture(scope="module")
+def app(exclusive_machine) -> Iterator[str]:
+    from tests.e2e.live import wait_ready
+
+    with fake_engine_app(ARGS, APP) as base:
+        wait_ready(base)
+        yield base
+
+
+def _run_rollout(base: str, to: str) -> tuple[dict, Load]:
+    load = Load(base, MODEL, clients=3, max_tokens=12)
+    threads = load.start()
+    try:
+        time.sleep(5)
+        started = time.monotonic()
+        start_rollout(base, MODEL, to)
+        status = wait_done(base, MODEL, timeout_s=600)
+        print(f"\nrollout to {to} ({time.monotonic() - started:.0f} s):\n{timeline(status)}")
+        time.sleep(3)
+    finally:
+        load.stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    by_version: dict[str | None, int] = {}
+    for r in load.results:
+        by_version[r["version"]] = by_version.get(r["version"], 0) + 1
+    print(f"requests: {len(load.results)} by version {by_version}, failed or cut: {len(load.failures())}")
+    return status, load
+
+
+def test_a_real_version_is_promoted_without_losing_a_request(app):
+    status, load = _run_rollout(app, "v2")
+    assert status["rollout"]["outcome"] == "promoted", timeline(status)
+    assert status["live"] == ["v2"]
+    assert not load.failures(), load.failures()[:5]
+    for seen in load.conversations().values():
+        assert seen == sorted(seen, key=lambda v: v == "v2"), f"a conversation went back: {seen}"
+    reply = httpx.post(f"{app}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20, "temperature": 0})
+    assert reply.headers["x-shunter-version"] == "v2" and "Paris" in reply.json()["choices"][0]["message"]["content"]
+
+
+def test_a_version_answering_errors_is_rolled_back_while_the_old_one_serves(app):
+    status, load = _run_rollout(app, "broken")
+    assert status["rollout"]["outcome"] == "rolled_back", timeline(status)
+    assert "error rate" in status["rollout"]["history"][-2]["reason"]
+    assert status["live"] == ["v2"]
+    assert not load.failures(), "a failed first attempt on the bad version was served by v2"
