@@ -11,7 +11,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test test-unit test-integration test-e2e bench lint check-config clean
+.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config clean
 
 help: ## List the commands
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -52,8 +52,14 @@ test-e2e: models ## End-to-end tests only (real engines)
 bench: models ## The standard benchmark suite (reports, never asserts): results/ and docs/benchmarks.md
 	$(BIN)/shunter bench suite --config $(CONFIG)
 
+demo: models ## Serve CONFIG, load it, render the dashboards' key panels to docs/img/dashboards/*.png
+	$(BIN)/shunter demo --config $(CONFIG)
+
 lint: install ## ruff over the code
 	$(BIN)/ruff check platform deployments routing ops tests
+
+dashboards: install ## Regenerate ops/grafana/ from ops/dashboards (make dashboards; CI checks it is current)
+	$(BIN)/python -m ops.dashboards
 
 check-config: install ## Validate CONFIG and print the resolved Shunter config
 	$(BIN)/shunter config check $(CONFIG)

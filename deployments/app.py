@@ -108,7 +108,7 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
     return {
         "deployment": {
             "name": name,
-            "request_router_config": request_router_config(served, accel),
+            "request_router_config": request_router_config(served, accel, version),
             **(version_replica_count(model, version) if model.versioned else replica_count(model)),
             "max_ongoing_requests": model.max_ongoing_requests,
             "ray_actor_options": actor_options,
@@ -186,7 +186,7 @@ def _autoscaling_config(least: int, most: int, initial: int, policy_kwargs: dict
     }
 
 
-def request_router_config(model: ModelConfig, accelerator: str) -> dict[str, Any]:
+def request_router_config(model: ModelConfig, accelerator: str, version: str = DEFAULT_VERSION) -> dict[str, Any]:
     """Ray's request_router_config for the model's deployment: the policy's router class, with what the
     router needs to know in `request_router_kwargs` (a custom router gets its own kwargs beside them)."""
     policy = model.routing_policy
@@ -205,6 +205,7 @@ def request_router_config(model: ModelConfig, accelerator: str) -> dict[str, Any
             **model.routing.router_kwargs,
             "shunter": {
                 "model": model.name,
+                "version": version,
                 "policy": policy,
                 "routing": model.routing.model_dump(mode="json"),
                 "block_size": int(block_size),
@@ -236,6 +237,8 @@ def build_app(args: dict[str, Any]) -> Application:
 def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Application:
     """Bind the deployments of a validated config. `engine_factory` is the tests' fault-injection seam."""
     plans = plan_deployments(cfg, ClusterView.detect())
+    logs = serve_logging_config(cfg)
+    observability = cfg.observability.model_dump(mode="json")
     servers: dict[str, dict[str, Any]] = {}
     for model in cfg.models:
         count = (f"{model.autoscaling.min_replicas}-{model.autoscaling.max_replicas}" if model.autoscaling
@@ -247,9 +250,9 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
                      f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
             servers[model.name][version] = (
                 serve.deployment(ModelServer)
-                .options(**plan["deployment"])
+                .options(**plan["deployment"], logging_config=logs)
                 .bind(model.for_version(version).model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"],
-                      plan["accelerator"], engine_factory, version)
+                      plan["accelerator"], engine_factory, version, observability)
             )
     # The gateway computes almost nothing (it relays), so it reserves no CPU a model engine could own.
     # It relays every model's streams, so it drains as long as the longest-draining model.
@@ -260,4 +263,12 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=ray_shutdown_timeout_s(max(m.draining.timeout_s for m in cfg.models)),
         max_surge_percent=100,
+        logging_config=logs,
     ).bind(cfg.model_dump(mode="json"), servers)
+
+
+def serve_logging_config(cfg: ShunterConfig) -> dict[str, Any]:
+    """Ray Serve's own per-deployment logging: JSON lines carry Serve's request id, and Shunter's
+    records add the trace id (shunter.tracing.CorrelationFilter)."""
+    logs = cfg.observability.logging
+    return {"encoding": "JSON" if logs.format == "json" else "TEXT", "log_level": logs.level}

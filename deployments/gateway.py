@@ -27,6 +27,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.telemetry import (
+    STREAM_ERROR,
+    RequestTelemetry,
+    ask_for_usage,
+    replicas_routable,
+    wants_usage_chunk,
+)
 from deployments.traffic import LiveVersions
 from ops import metrics as ops_metrics
 from ops.admission import AdmissionGate
@@ -37,6 +44,7 @@ from routing.versions import choose_version
 from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
 from shunter.errors import error_body
 from shunter.replica_protocol import Accepted, ReplicaRequest
+from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
 
@@ -70,6 +78,19 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error in gateway for %s %s", request.method, request.url.path)
     return _error(500, "internal error in the gateway; see the server log")
+
+
+def _request_id() -> str:
+    """Ray Serve's id of the request being handled (from the client's `X-Request-ID`, or made by Serve's
+    proxy, which returns it in the response's `x-request-id`), so Serve's access log, Shunter's logs
+    and spans, and the client all name a request the same way."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        request_id = _get_serve_request_context().request_id
+    except Exception:  # noqa: BLE001 - outside a Serve request (unit tests)
+        request_id = ""
+    return request_id or uuid.uuid4().hex
 
 
 def _nesting_depth(value: Any) -> int:
@@ -110,10 +131,11 @@ class _RelayEnd:
     either); then this object's `__del__`, when the unstarted generator is dropped, does it instead."""
 
     def __init__(self, started: _Started, routing: DeploymentRouting, drains: DrainTracker, gate: AdmissionGate,
-                 on_outcome: Callable[[bool], None] | None = None):
+                 on_outcome: Callable[[bool], None] | None = None, tel: RequestTelemetry | None = None):
         self.stream, self.replica = started.stream, started.replica
         self.routing, self.drains, self.gate = routing, drains, gate
         self.on_outcome = on_outcome
+        self.tel = tel
         self.done = False
         drains.opened(self.replica)
 
@@ -126,9 +148,14 @@ class _RelayEnd:
         if not finished:  # client disconnected or we were cancelled: abort the engine request
             _cancel(self.stream)
         self.drains.closed(self.replica, self.routing.departed_at(self.replica), aborted)
+        if self.tel is not None:
+            self.routing.finished(self.tel.request_id)
         self.gate.release()
         if ok is not None and self.on_outcome is not None:
             self.on_outcome(ok)
+        if self.tel is not None:
+            # 499: the client closed the connection first (nginx's name for it).
+            self.tel.finish(200 if ok else STREAM_ERROR if (ok is False or aborted) else 499)
 
     def __del__(self) -> None:
         self.close()
@@ -178,6 +205,8 @@ class Gateway:
     def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
         """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
         self.config = ShunterConfig.model_validate(config)
+        setup_tracing(self.config.observability.tracing, "gateway")
+        correlate_logs()
         self.servers = model_servers
         self.created = int(time.time())
         any_handle = next(iter(next(iter(model_servers.values())).values()))
@@ -187,6 +216,7 @@ class Gateway:
         self._routing: dict[str, DeploymentRouting] = {}
         self._gates: dict[str, AdmissionGate] = {}
         self._drains: dict[str, DrainTracker] = {}
+        self._routable: dict[tuple[str, str], int] = {}  # last exported replica counts
 
     # ---- probes ---------------------------------------------------------------------------------
 
@@ -377,12 +407,24 @@ class Gateway:
         except BadRequest as bad:
             return bad.response
         body["model"] = model.name  # the engine knows the canonical name only
+        tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), wants_usage_chunk(body),
+                               log_prompt=self._prompt_for_logs(body))
+        with tel.use():
+            response = await self._admit(request, model, endpoint, body, tel)
+        if not isinstance(response, StreamingResponse):  # a stream finishes when its relay ends
+            tel.finish(response.status_code)
+        return response
+
+    async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],
+                     tel: RequestTelemetry) -> Response:
         self.traffic.ensure_started()
         versions = self._versions_for(model, request, body)
         if not versions:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
             chosen = self._versions_for(model, request, body, skip_unavailable=False)[0]
+            tel.version = chosen
             return self._all_replicas_out(model, self._routing_state(model, chosen))
+        tel.version = versions[0]
         gate = self._gate(model)
         capacity = self._capacity(model)
         retry_after = gate.try_admit(capacity)
@@ -391,14 +433,22 @@ class Gateway:
             return _error(429, f"model {model.name!r} is overloaded: {gate.queued(capacity)} requests are "
                           f"already waiting for a replica; retry in {retry_after}s", code="queue_full",
                           headers={"Retry-After": str(retry_after)})
+        tel.admitted()
         relayed = False
         try:
-            response = await self._admitted(model, endpoint, body, versions, gate)
+            response = await self._admitted(model, endpoint, ask_for_usage(body), versions, gate, tel)
             relayed = isinstance(response, StreamingResponse)
             return response
         finally:
             if not relayed:  # a stream releases its admission when the relay ends
                 gate.release()
+
+    def _prompt_for_logs(self, body: dict[str, Any]) -> str | None:
+        """The prompt, for logs and spans, only where the config allows it (off by default)."""
+        if not self.config.observability.logging.log_prompts:
+            return None
+        prompt = body.get("messages", body.get("prompt", body.get("input")))
+        return json.dumps(prompt)[:4096]
 
     def _versions_for(self, model: ModelConfig, request: Request, body: dict[str, Any],
                       skip_unavailable: bool = True) -> list[str]:
@@ -419,13 +469,13 @@ class Gateway:
         return [v for v in ordered if self._routing_state(model, v).unavailable_for_s() is None]
 
     async def _admitted(self, model: ModelConfig, endpoint: str, body: dict[str, Any], versions: list[str],
-                        gate: AdmissionGate) -> Response:
-        request_id = uuid.uuid4().hex
+                        gate: AdmissionGate, tel: RequestTelemetry) -> Response:
+        request_id = tel.request_id
         began = time.monotonic()
         for i, version in enumerate(versions):
             routing = self._routing_state(model, version)
             try:
-                started = await self._start(model, version, routing, endpoint, body, request_id)
+                started = await self._start(model, version, routing, endpoint, body, request_id, tel)
             except _VersionFailed as failed:
                 self.traffic.record(model, version, False, None, None)
                 if i + 1 < len(versions):
@@ -434,8 +484,11 @@ class Gateway:
                     continue
                 return failed.response
             first_byte_s = time.monotonic() - began
+            tel.answered()
             headers = {REPLICA_HEADER: started.replica, VERSION_HEADER: version}
             if not started.head["stream"]:
+                tel.whole_reply(started.head["body"])
+                routing.finished(request_id)
                 routing.record_outcome(started.replica, False)
                 if started.head["status"] < 400:  # a client error says nothing about the version
                     self.traffic.record(model, version, True, None, first_byte_s)
@@ -444,13 +497,15 @@ class Gateway:
             def outcome(ok: bool, version: str = version, ttft: float = first_byte_s) -> None:
                 self.traffic.record(model, version, ok, ttft, time.monotonic() - began)
 
-            relay = _RelayEnd(started, routing, self._drain_tracker(model), gate, outcome)
+            if started.first_chunk is not None:  # timed on arrival, not when the relay sends it
+                started.first_chunk = tel.chunk(started.first_chunk)
+            relay = _RelayEnd(started, routing, self._drain_tracker(model), gate, outcome, tel)
             return StreamingResponse(self._relay(started, model, routing, relay), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         raise AssertionError("no version to send to")  # _forward never passes an empty list
 
     async def _start(self, model: ModelConfig, version: str, routing: DeploymentRouting, endpoint: str,
-                     body: dict[str, Any], request_id: str) -> _Started:
+                     body: dict[str, Any], request_id: str, tel: RequestTelemetry) -> _Started:
         """Start the request on one version, failing over once between its replicas. Raises _VersionFailed
         with the client's response when the version cannot serve it."""
 
@@ -462,10 +517,15 @@ class Gateway:
         async def attempt(avoid: tuple[str, ...]) -> _Started:
             if avoid and routing.unavailable_for_s() is not None:
                 raise _AllReplicasOut()  # the failure just recorded opened the last breaker
+            carrier = tel.routing(version, attempt=len(avoid) + 1)
             try:
-                return await self._attempt(model, version, routing,
+                return await self._attempt(model, version, routing, tel,
                                            ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
-                                                          body=body))
+                                                          body=body, trace=carrier))
+            except BaseException as exc:
+                tel.attempt_failed(type(exc).__name__)
+                routing.finished(request_id)  # Ray does not always report a failed or cancelled call
+                raise
             finally:
                 routing.first_byte(request_id)  # answered or failed: its prefill no longer queues anywhere
 
@@ -495,7 +555,7 @@ class Gateway:
                 503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
                 code="model_unavailable", headers={"Retry-After": _RETRY_AFTER_S})) from None
 
-    async def _attempt(self, model: ModelConfig, version: str, routing: DeploymentRouting,
+    async def _attempt(self, model: ModelConfig, version: str, routing: DeploymentRouting, tel: RequestTelemetry,
                        request: ReplicaRequest) -> _Started:
         """Send once and wait for the replica's first answer: the reply head, and for a stream its first
         chunk too, so a replica that fails before any byte reaches the client can be failed over."""
@@ -517,6 +577,7 @@ class Gateway:
             if not isinstance(accepted, Accepted):
                 raise _NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
             replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
+            tel.accepted(replica)
             try:
                 head = await self._next(stream, model, routing, replica)
                 first = None
@@ -578,7 +639,10 @@ class Gateway:
                     chunk = await self._next(stream, model, routing, replica)
                 except StopAsyncIteration:
                     break
-                yield chunk
+                if end.tel is not None:
+                    chunk = end.tel.chunk(chunk)
+                if chunk is not None:
+                    yield chunk
             finished = ok = True
             routing.record_outcome(replica, False)
         except _DrainTimeout:
@@ -625,6 +689,9 @@ class Gateway:
             routing = self._routing_state(model, version)
             if routing.synced:
                 replicas += len(routing.replicas)
+                if self._routable.get((model.name, version)) != len(routing.replicas):
+                    self._routable[(model.name, version)] = len(routing.replicas)
+                    replicas_routable(model.name, version, len(routing.replicas))
             else:
                 replicas += model.autoscaling.min_replicas if model.autoscaling else model.replicas
         return replicas * model.max_ongoing_requests // self.config.gateway.replicas
@@ -650,7 +717,7 @@ class Gateway:
         if state is None:
             state = self._routing[handle.deployment_name] = routing_state(
                 deployment_key(handle.app_name, handle.deployment_name), model.name, model.routing_policy,
-                model.routing)
+                model.routing, version=version)
         return state
 
     async def _read_json(self, request: Request) -> dict[str, Any]:

@@ -16,6 +16,7 @@ It yields, in order:
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import os
@@ -24,9 +25,11 @@ from typing import Any
 
 from ray import serve
 
+from deployments.replica_telemetry import EngineMetrics, traced
 from ops.autoscaling import ENGINE_REQUESTS_METRIC
-from shunter.config import DEFAULT_VERSION, ModelConfig
+from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
 from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
+from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
 
@@ -42,6 +45,7 @@ class ModelServer:
         accelerator: str,
         engine_factory: str | None = None,
         version: str = DEFAULT_VERSION,
+        observability: dict[str, Any] | None = None,
     ):
         """`model` is the model as this version serves it (`ModelConfig.for_version`). `engine_factory`
         ("module:callable", same signature as VLLMEngine.start) is a test seam for fault-injecting engines;
@@ -52,6 +56,8 @@ class ModelServer:
 
         self.model = ModelConfig.model_validate(model)
         self.version = version
+        setup_tracing(ObservabilityConfig.model_validate(observability or {}).tracing, "model_server")
+        correlate_logs()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._cores = None
         env: dict[str, str] = {}
@@ -78,11 +84,18 @@ class ModelServer:
             raise
         log.info("model %s version %s replica %s ready (answered a real %s)", self.model.name, version,
                  self.replica_id, "embedding" if self.model.task == "embed" else "generation")
+        self._metrics_task = asyncio.get_running_loop().create_task(
+            EngineMetrics(self.engine, self.model.name, version, self.replica_id).run())
 
     async def handle(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         """Serve one request: yields Accepted, the reply head, then SSE chunks if the reply streams."""
         if request.endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {request.endpoint!r}")
+        async for item in traced(self._serve(request), request.trace, request.endpoint, self.model.name,
+                                 self.version, self.replica_id):
+            yield item
+
+    async def _serve(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         yield Accepted(self.replica_id)
         reply = await getattr(self.engine, request.endpoint)(request.body)
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
@@ -133,6 +146,9 @@ class ModelServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        task = getattr(self, "_metrics_task", None)
+        if task is not None:
+            task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ops.control import ModelView, control, model_view, read_state
+from ops.metrics import traffic_weight
 from shunter.config import ModelConfig, ShunterConfig
 
 log = logging.getLogger("ray.serve")
@@ -31,6 +32,7 @@ class LiveVersions:
         self._samples: dict[str, list[tuple[str, float, bool, float | None, float | None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._actor: Any = None
+        self._exported: dict[str, dict[str, float]] = {}  # model -> the weights last exported
 
     # ---- reading (request path: no I/O) ------------------------------------------------------------
 
@@ -87,8 +89,19 @@ class LiveVersions:
     async def _refresh_forever(self) -> None:
         while True:
             await self.refresh_now()
+            self._export_weights()
             self._flush()
             await asyncio.sleep(REFRESH_S)
+
+    def _export_weights(self) -> None:
+        """`shunter_traffic_weight`: the weights this gateway applies (the file's, a rollout's or an
+        operator's), exported when they change."""
+        for model in self.config.models:
+            weights = dict(self.view(model).weights)
+            if self._exported.get(model.name) != weights:
+                self._exported[model.name] = weights
+                for version in model.version_names():
+                    traffic_weight(model.name, version, weights.get(version, 0.0))
 
     def _flush(self) -> None:
         samples, self._samples = self._samples, {}

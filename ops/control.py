@@ -316,8 +316,7 @@ class ShunterControl:
         if last is not None and decision:
             log.info("rollout of model %s: %s; phase %s, weights %s%s", model, last.reason, last.phase,
                      last.weights, f", gates {last.gates}" if last.gates else "")
-        metrics.rollout(model, rollout.phase.value, rollout.step, dict(rollout.weights),
-                        last.gates if last else None, decision)
+        metrics.rollout(model, rollout.phase.value, rollout.step, last.gates if last else None, decision)
         return self.state["rollouts"][model]
 
     def _save(self) -> None:

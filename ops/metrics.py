@@ -1,4 +1,5 @@
-"""Operations metrics (exported by Ray as `ray_shunter_*`, like every Shunter metric).
+"""Operations metrics (exported by Ray as `ray_shunter_*`, like every Shunter metric; names, labels and
+buckets: `shunter.metric_catalog`).
 
 From the autoscaling policy (in Ray Serve's controller), per model version:
 - `shunter_autoscaling_desired_replicas{model,version}`: what the policy asks for (0 for a retired version);
@@ -8,12 +9,12 @@ From the autoscaling policy (in Ray Serve's controller), per model version:
 From the rollout controller (the application's control actor):
 - `shunter_rollout_phase{model,phase}`: 1 for the phase a model's latest rollout is in, 0 for the others;
 - `shunter_rollout_step{model}`: the step the rollout holds (1-based; 0 when not shifting);
-- `shunter_traffic_weight{model,version}`: percent of the model's traffic each version gets;
 - `shunter_rollout_gate{model,gate}`: the gate values of the latest judgement (error rates, p95s);
 - `shunter_rollout_decisions_total{model,decision}`: `ready`, `step`, `promote`, `rollback`, `done`,
   `pause`, `resume`.
 
 From the gateway:
+- `shunter_traffic_weight{model,version}`: percent of the model's traffic each version gets, as applied;
 - `shunter_rejections_total{model, reason}`: requests turned away before any replica took them:
   `queue_full` (429, admission control), `cold_start_timeout`, `queue_timeout`, `replicas_unavailable`,
   `model_unavailable` (503s);
@@ -26,41 +27,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from shunter.metric_catalog import build
 from shunter.ray_metrics import LazyMetrics
 
-_DRAIN_BUCKETS = [0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600]
+# Short names the recording functions below use, for the catalog's full names.
+_SHORT = {"desired": "shunter_autoscaling_desired_replicas", "running": "shunter_autoscaling_running_replicas",
+          "depth": "shunter_queue_depth", "rollout_phase": "shunter_rollout_phase",
+          "rollout_step": "shunter_rollout_step", "weight": "shunter_traffic_weight", "gate": "shunter_rollout_gate",
+          "decisions": "shunter_rollout_decisions_total", "rejections": "shunter_rejections_total",
+          "drain": "shunter_drain_seconds", "aborted": "shunter_drain_aborted_total"}
 
 
 def _build(metrics: Any) -> dict[str, Any]:
-    return {
-        "desired": metrics.Gauge("shunter_autoscaling_desired_replicas",
-                                 description="Replicas the queue-depth policy asks for.",
-                                 tag_keys=("model", "version")),
-        "running": metrics.Gauge("shunter_autoscaling_running_replicas",
-                                 description="Replicas running when the policy decided.",
-                                 tag_keys=("model", "version")),
-        "depth": metrics.Gauge("shunter_queue_depth",
-                               description="Requests waiting or running in the engines plus queued ahead "
-                               "of the replicas.", tag_keys=("model", "version")),
-        "rollout_phase": metrics.Gauge("shunter_rollout_phase", description="1 for the phase the model's "
-                                       "latest rollout is in.", tag_keys=("model", "phase")),
-        "rollout_step": metrics.Gauge("shunter_rollout_step", description="The step a rollout holds (1-based; "
-                                      "0 when not shifting).", tag_keys=("model",)),
-        "weight": metrics.Gauge("shunter_traffic_weight", description="Percent of a model's traffic per version.",
-                                tag_keys=("model", "version")),
-        "gate": metrics.Gauge("shunter_rollout_gate", description="Gate values of a rollout's latest judgement.",
-                              tag_keys=("model", "gate")),
-        "decisions": metrics.Counter("shunter_rollout_decisions_total", description="Rollout decisions.",
-                                     tag_keys=("model", "decision")),
-        "rejections": metrics.Counter("shunter_rejections_total",
-                                      description="Requests refused before a replica took them, by reason.",
-                                      tag_keys=("model", "reason")),
-        "drain": metrics.Histogram("shunter_drain_seconds",
-                                   description="Time a leaving replica took to finish the streams relayed "
-                                   "from it.", boundaries=_DRAIN_BUCKETS, tag_keys=("model",)),
-        "aborted": metrics.Counter("shunter_drain_aborted_total",
-                                   description="Streams ended at the drain timeout.", tag_keys=("model",)),
-    }
+    built = build(metrics, tuple(_SHORT.values()))
+    return {short: built[name] for short, name in _SHORT.items()}
 
 
 _get = LazyMetrics(_build).get
@@ -73,6 +53,12 @@ def autoscaling(model: str, desired: int, running: int, depth: float, version: s
         m["desired"].set(desired, tags=tags)
         m["running"].set(running, tags=tags)
         m["depth"].set(depth, tags=tags)
+
+
+def traffic_weight(model: str, version: str, percent: float) -> None:
+    m = _get()
+    if m:
+        m["weight"].set(percent, tags={"model": model, "version": version})
 
 
 def rejection(model: str, reason: str) -> None:
@@ -96,18 +82,15 @@ def drain_aborted(model: str) -> None:
 ROLLOUT_PHASES = ("deploying", "shifting", "promoted", "rolling_back", "done")
 
 
-def rollout(model: str, phase: str, step: int | None, weights: dict[str, float], gates: dict[str, Any] | None,
-            decision: str | None) -> None:
+def rollout(model: str, phase: str, step: int | None, gates: dict[str, Any] | None, decision: str | None) -> None:
     m = _get()
     if not m:
         return
     for name in ROLLOUT_PHASES:
         m["rollout_phase"].set(1 if name == phase else 0, tags={"model": model, "phase": name})
     m["rollout_step"].set(0 if step is None else step + 1, tags={"model": model})
-    for version, share in weights.items():
-        m["weight"].set(share, tags={"model": model, "version": version})
-    for gate, value in (gates or {}).items():
-        if isinstance(value, int | float):
-            m["gate"].set(float(value), tags={"model": model, "gate": gate})
+    for gate, value in (gates or {}).items():  # a gate without a value (no traffic) is NaN, not stale
+        m["gate"].set(float(value) if isinstance(value, int | float) else float("nan"),
+                      tags={"model": model, "gate": gate})
     if decision:
         m["decisions"].inc(1, tags={"model": model, "decision": decision})

@@ -40,7 +40,7 @@ from routing.policy import (
 )
 from routing.prefix import prefix_key, render_prompt
 from routing.state import DeploymentRouting, deployment_key, routing_state
-from shunter.config import RoutingConfig
+from shunter.config import DEFAULT_VERSION, RoutingConfig
 from shunter.replica_protocol import ReplicaRequest, find_hint
 
 log = logging.getLogger("ray.serve")
@@ -61,6 +61,7 @@ class ShunterGuard:
         self._shunter = routing_state(
             deployment_key(dep.app_name, dep.name),
             model=spec.get("model", dep.name),
+            version=spec.get("version", DEFAULT_VERSION),
             policy=spec.get("policy", self.policy_name),
             config=RoutingConfig.model_validate(spec.get("routing", {})),
             block_size=spec.get("block_size"),
@@ -118,9 +119,9 @@ class ShunterGuard:
         self._routed[pending_request.metadata.internal_request_id] = (replica, request_id)
         state.unreserve(pending_request.metadata.internal_request_id)
         if getattr(pending_request, "_shunter_skipped", False):
-            metrics.decision(state.model, state.policy, BREAKER_SKIP)
+            metrics.decision(state.model, state.version, state.policy, BREAKER_SKIP)
         if hint is not None and hint.avoid:
-            metrics.decision(state.model, state.policy, RETRY)
+            metrics.decision(state.model, state.version, state.policy, RETRY)
         if not isinstance(hint, ReplicaRequest):
             state.dispatched(replica, request_id)
             return
@@ -130,10 +131,10 @@ class ShunterGuard:
         matched = state.matched(replica, key.keys)
         state.dispatched(replica, request_id, prefill_tokens=key.uncached_tokens(matched))
         if key.chars:
-            metrics.prefix_match(state.model, min(1.0, matched * key.chunk_chars / key.chars))
+            metrics.prefix_match(state.model, state.version, min(1.0, matched * key.chunk_chars / key.chars))
         reason = self._reason(pending_request, replica, matched)
         if reason:
-            metrics.decision(state.model, state.policy, reason)
+            metrics.decision(state.model, state.version, state.policy, reason)
         state.record_prefix(replica, key.keys)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

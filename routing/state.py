@@ -21,22 +21,24 @@ from typing import Any
 from routing import metrics
 from routing.breaker import BreakerBoard, BreakerState
 from routing.prefix import PrefixIndex
-from shunter.config import RoutingConfig
+from shunter.config import DEFAULT_VERSION, RoutingConfig
 
 log = logging.getLogger("ray.serve")
 
 
 class DeploymentRouting:
     def __init__(self, model: str, policy: str, config: RoutingConfig, block_size: int = 16,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, version: str = DEFAULT_VERSION):
         self.model = model
+        self.version = version
         self.policy = policy
         self.config = config
         self.block_size = block_size
         self.prefix = PrefixIndex()
         self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
         self.clock = clock
-        self.inflight: dict[str, int] = {}
+        self.inflight: dict[str, int] = {}  # replica -> requests in flight there (the size of its flights)
+        self._flights: set[tuple[str, str]] = set()  # (replica, request id) dispatched and not completed
         self.replicas: set[str] = set()
         self.synced = False  # whether a router has told this process the running replicas yet
         self._departed: dict[str, float] = {}  # replica -> when it left the running set (it is draining)
@@ -94,15 +96,19 @@ class DeploymentRouting:
             current = set(replicas)
             for replica in self.replicas - current:
                 self._departed.setdefault(replica, now)
+                metrics.breaker_forget(self.model, self.version, replica)
             for replica, since in list(self._departed.items()):
                 if now - since > _DEPARTED_KEPT_S:
                     del self._departed[replica]
+            for replica in current - self.replicas:  # a series per replica from the start: 0 = closed
+                metrics.breaker_state(self.model, self.version, replica, self.breakers.state(replica).level)
             self.replicas = current
             self.synced = True
             self.prefix.retain(self.replicas)
             self.breakers.retain(self.replicas)
             for replica in [r for r in self.inflight if r not in self.replicas]:
                 del self.inflight[replica]
+            self._flights = {f for f in self._flights if f[0] in self.replicas}
             for replica in [r for r in self.pending if r not in self.replicas]:
                 del self.pending[replica]
             for request_id in [k for k, (r, _, _) in self._reserved.items() if r not in self.replicas]:
@@ -127,13 +133,16 @@ class DeploymentRouting:
             self.replicas.discard(replica)
             self.prefix.drop(replica)
             self.inflight.pop(replica, None)
+            self._flights = {f for f in self._flights if f[0] != replica}
             self.pending.pop(replica, None)
             for request_id in [k for k, (r, _, _) in self._reserved.items() if r == replica]:
                 del self._reserved[request_id]
 
     def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0) -> None:
         with self._lock:
-            self.inflight[replica] = self.inflight.get(replica, 0) + 1
+            if (replica, request_id) not in self._flights:
+                self._flights.add((replica, request_id))
+                self.inflight[replica] = self.inflight.get(replica, 0) + 1
             if self.breakers.on_dispatch(replica):
                 self._probes.add(request_id)
             if prefill_tokens > 0:
@@ -147,13 +156,25 @@ class DeploymentRouting:
             self._prefilled(request_id)
 
     def completed(self, replica: str, request_id: str) -> None:
+        """The request ended on the replica. Both the router (when Ray reports the call done) and the
+        gateway (when it stops relaying: Ray does not report every cancelled or failed stream) say so;
+        the second call changes nothing."""
         with self._lock:
-            if self.inflight.get(replica, 0) > 0:
+            if (replica, request_id) in self._flights:
+                self._flights.discard((replica, request_id))
                 self.inflight[replica] -= 1
             self._prefilled(request_id)  # failed or cancelled before answering: its prefill is gone too
             if request_id in self._probes:  # only a probe frees a probe slot
                 self._probes.discard(request_id)
                 self.breakers.on_probe_done(replica)
+
+    def finished(self, request_id: str) -> None:
+        """The gateway is done with the request (answered, failed, or cancelled): whatever replica still
+        counts it, in flight or by reservation, stops counting it."""
+        with self._lock:
+            for replica in [r for r, q in self._flights if q == request_id]:
+                self.completed(replica, request_id)
+            self._prefilled(request_id)
 
     def _prefilled(self, request_id: str) -> None:
         entry = self._prefill.pop(request_id, None)
@@ -179,7 +200,7 @@ class DeploymentRouting:
     def _breaker_changed(self, replica: str, before: BreakerState, after: BreakerState, why: str) -> None:
         level = log.warning if after is BreakerState.OPEN else log.info
         level("model %s replica %s: breaker %s -> %s (%s)", self.model, replica, before.value, after.value, why)
-        metrics.breaker_state(self.model, replica, after.level, to=after.value)
+        metrics.breaker_state(self.model, self.version, replica, after.level, to=after.value)
 
 
 # Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a
@@ -197,13 +218,14 @@ def deployment_key(app_name: str, deployment_name: str) -> str:
 
 
 def routing_state(key: str, model: str, policy: str, config: RoutingConfig,
-                  block_size: int | None = None) -> DeploymentRouting:
+                  block_size: int | None = None, version: str = DEFAULT_VERSION) -> DeploymentRouting:
     """The process's state for deployment `key`, created by whoever needs it first. The router passes
     the engine's KV block size; the gateway, which does not know it, passes None."""
     with _lock:
         state = _by_deployment.get(key)
         if state is None:
-            state = _by_deployment[key] = DeploymentRouting(model, policy, config, block_size or 16)
+            state = _by_deployment[key] = DeploymentRouting(model, policy, config, block_size or 16,
+                                                            version=version)
         elif block_size:
             state.block_size = block_size
         return state

@@ -47,11 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
 
+    sub.add_parser("demo", help="serve a config, load it, render the dashboards' key panels to PNG "
+                   "(no Grafana needed; its own options: --help)")
+
     from shunter.cli_rollout import add_parsers as add_rollout_parsers
 
     add_rollout_parsers(sub)
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from shunter.cli_demo import main as demo
+
+        return demo(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "suite"):
         return _bench(argv[1], argv[2:])  # each benchmark parses its own options
     args = parser.parse_args(argv)

@@ -95,6 +95,8 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, last reported
+    running: int = 0  # requests the scheduler runs, last reported
+    waiting: int = 0  # requests queued in the scheduler, last reported
 
 
 def _counting_stat_logger(counters: EngineCounters) -> Any:
@@ -110,6 +112,8 @@ def _counting_stat_logger(counters: EngineCounters) -> Any:
             if scheduler_stats is None:
                 return
             counters.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            counters.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+            counters.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 counters.prefix_cache_queries += int(prefix.queries)

@@ -9,6 +9,8 @@ recording call is a no-op. Metrics must never break the path that records them.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,3 +37,52 @@ class LazyMetrics:
             log.debug("metrics unavailable", exc_info=True)
             return None
         return self._metrics
+
+
+class StickyGauge:
+    """A Ray gauge that keeps reporting its last values.
+
+    Ray 2.60's metrics agent drops a gauge series it has not heard of for two export intervals, and a
+    worker exports only the values set since its last export. A gauge set once (a breaker opened, a
+    weight changed) therefore vanished from Prometheus within seconds. Every StickyGauge of a process
+    is re-set from one daemon thread every REFRESH_S, so its series lives as long as the process, until
+    `clear` drops it (a replica that left).
+    """
+
+    REFRESH_S = 4.0
+    _all: list[StickyGauge] = []
+    _lock = threading.Lock()
+    _refresher: threading.Thread | None = None
+
+    def __init__(self, gauge: Any):
+        self._gauge = gauge
+        self._values: dict[tuple[tuple[str, str], ...], float] = {}
+        with StickyGauge._lock:
+            StickyGauge._all.append(self)
+            if StickyGauge._refresher is None:
+                StickyGauge._refresher = threading.Thread(target=StickyGauge._refresh_forever, daemon=True,
+                                                          name="shunter-gauges")
+                StickyGauge._refresher.start()
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        with StickyGauge._lock:
+            self._values[tuple(sorted(tags.items()))] = value
+        self._gauge.set(value, tags=tags)
+
+    def clear(self, **match: str) -> None:
+        """Stop reporting every series whose labels include `match`."""
+        with StickyGauge._lock:
+            for key in [k for k in self._values if set(match.items()) <= set(k)]:
+                del self._values[key]
+
+    @staticmethod
+    def _refresh_forever() -> None:
+        while True:
+            time.sleep(StickyGauge.REFRESH_S)
+            with StickyGauge._lock:
+                pending = [(g._gauge, dict(k), v) for g in StickyGauge._all for k, v in g._values.items()]
+            for gauge, tags, value in pending:
+                try:
+                    gauge.set(value, tags=tags)
+                except Exception:  # noqa: BLE001 - metrics must never break anything
+                    log.debug("gauge refresh failed", exc_info=True)

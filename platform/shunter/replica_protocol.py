@@ -33,6 +33,7 @@ class ReplicaRequest(RouteHint):
 
     endpoint: str = "chat"
     body: dict[str, Any] = field(default_factory=dict)
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the gateway's span
 
     # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
     # looking for an argument with a `messages` or `prompt` attribute; exposing exactly the one this

@@ -89,6 +89,15 @@ def wait_replicas(app: str, deployment: str, count: int, timeout_s: float) -> No
                          f"(now {running_replicas(app, deployment)})")
 
 
+def ray_session_logs(folder: str, pattern: str) -> list[Path]:
+    """Log files of the running Ray session (the driver's), e.g. ("serve", "replica_app_gateway_*.log")."""
+    import ray
+
+    # Ray has no public getter for the session folder; its node object knows it.
+    session = ray._private.worker._global_node.get_session_dir_path()
+    return sorted((Path(session) / "logs" / folder).glob(pattern))
+
+
 @dataclass
 class LiveApp:
     base_url: str

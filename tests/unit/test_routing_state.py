@@ -169,3 +169,18 @@ def test_a_reservation_never_dispatched_expires_and_a_departed_replica_drops_its
     state.reserve("r2-bound", "r2")
     state.sync_replicas(["r1"])
     assert state.load("r2") == 0
+
+
+def test_the_router_and_the_gateway_both_ending_a_request_count_it_once():
+    """Ray does not report every cancelled or failed stream to the router; the gateway ends those."""
+    state = _state()
+    state.sync_replicas(["r1", "r2"])
+    state.dispatched("r1", "q1", prefill_tokens=40)
+    state.dispatched("r1", "q2")
+    state.finished("q1")  # the gateway stopped relaying q1
+    assert state.load("r1") == 1 and state.pending_prefill("r1") == 0
+    state.completed("r1", "q1")  # Ray's late report of the same request
+    assert state.load("r1") == 1
+    state.dispatched("r2", "q2")  # a retry of q2 elsewhere is its own flight
+    state.finished("q2")
+    assert state.load("r1") == 0 and state.load("r2") == 0

@@ -1,0 +1,99 @@
+"""What a ModelServer replica reports about itself: its engine's gauges and counters (exported through
+Ray's metrics every few seconds) and the spans of the requests it serves.
+
+Engine metrics come from vLLM's own scheduler stats (`shunter.engine.EngineCounters`): KV-cache usage,
+running and waiting requests, and prefix-cache lookups and hits (as counters, so a dashboard can take a
+hit rate over any window). Labels: model, version, replica.
+
+Spans: the replica's span continues the gateway's trace (the W3C carrier in `ReplicaRequest.trace`);
+the engine's generation is a child span whose `first_token` event marks the first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from shunter import tracing
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+
+log = logging.getLogger("ray.serve")
+
+EXPORT_PERIOD_S = 5.0
+_NAMES = ("shunter_engine_kv_cache_usage_ratio", "shunter_engine_prefix_cache_queries_total",
+          "shunter_engine_prefix_cache_hits_total", "shunter_engine_requests_running",
+          "shunter_engine_requests_waiting")
+_get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
+
+
+class EngineMetrics:
+    """Exports one replica's engine stats; `run()` is the replica's background task."""
+
+    def __init__(self, engine: Any, model: str, version: str, replica: str):
+        self.engine = engine
+        self.tags = {"model": model, "version": version, "replica": replica}
+        self._sent_queries = self._sent_hits = 0
+
+    def export_once(self) -> None:
+        counters = getattr(self.engine, "counters", None)
+        m = _get()
+        if counters is None or not m:
+            return
+        m["shunter_engine_kv_cache_usage_ratio"].set(counters.kv_cache_usage, tags=self.tags)
+        m["shunter_engine_requests_running"].set(counters.running, tags=self.tags)
+        m["shunter_engine_requests_waiting"].set(counters.waiting, tags=self.tags)
+        queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
+        if queries > self._sent_queries:
+            m["shunter_engine_prefix_cache_queries_total"].inc(queries - self._sent_queries, tags=self.tags)
+            self._sent_queries = queries
+        if hits > self._sent_hits:
+            m["shunter_engine_prefix_cache_hits_total"].inc(hits - self._sent_hits, tags=self.tags)
+            self._sent_hits = hits
+
+    async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
+        while True:
+            try:
+                self.export_once()
+            except Exception:  # noqa: BLE001 - metrics never take a replica down
+                log.debug("engine metrics export failed", exc_info=True)
+            await asyncio.sleep(period_s)
+
+
+async def traced(items: AsyncIterator[Any], carrier: dict[str, str], endpoint: str, model: str, version: str,
+                 replica: str) -> AsyncIterator[Any]:
+    """Relay a replica's reply items inside its span (a child of the gateway's routing span). The first
+    item after `Accepted` and the reply head marks the first token."""
+    parent = tracing.context_from(carrier)
+    span = tracing.tracer().start_span(f"replica {endpoint}", context=parent, kind=SpanKind.SERVER,
+                                       attributes={"shunter.model": model, "shunter.version": version,
+                                                   "shunter.replica": replica})
+    generate = tracing.tracer().start_span("engine.generate", context=trace.set_span_in_context(span))
+    seen = 0
+    ok = True
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            async for item in items:
+                seen += 1
+                if seen == 2 and isinstance(item, dict):  # the reply head
+                    generate.set_attribute("http.response.status_code", item.get("status", 0))
+                    if not item.get("stream"):
+                        generate.add_event("first_token")  # a whole reply: first and last at once
+                elif seen == 3:
+                    generate.add_event("first_token")
+                yield item
+    except BaseException as exc:
+        ok = False
+        generate.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        generate.set_attribute("shunter.chunks", max(0, seen - 2))
+        generate.end()
+        if not ok:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()

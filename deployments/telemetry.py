@@ -1,0 +1,262 @@
+"""What the gateway measures about each request: Prometheus metrics (through Ray's exporter) and the
+request's OpenTelemetry spans.
+
+`RequestTelemetry` follows one request from its arrival to its last byte. The gateway tells it when the
+request was admitted, which version and replica took it, when the first token and every later chunk
+were relayed, and how it ended; it records:
+- `shunter_requests_total{model,version,endpoint,status}` once, with the HTTP status the client got (or
+  `stream_error` when a 200 stream ended with an error event);
+- TTFT (arrival to first token chunk, or to the whole reply when not streamed), inter-token gaps and
+  end-to-end latency, as histograms with LLM-sized buckets (`shunter.metric_catalog`);
+- prompt and completion tokens from the engine's `usage` (the gateway asks the engine for a usage
+  chunk on every stream and drops it again when the client did not ask for one);
+- per-process gauges of requests in flight per version and waiting for a replica per model.
+
+The metrics are process-local Ray metrics: each gateway replica exports its own series, and dashboards
+sum them. Metrics and spans never break a request: every recording call swallows its own failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from shunter import tracing
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+
+log = logging.getLogger("ray.serve")
+
+STREAM_ERROR = "stream_error"
+_NAMES = ("shunter_requests_total", "shunter_time_to_first_token_seconds", "shunter_inter_token_latency_seconds",
+          "shunter_e2e_request_latency_seconds", "shunter_prompt_tokens_total", "shunter_completion_tokens_total",
+          "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable")
+_get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
+_OPERATION = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings"}
+
+# This process's gauges, as counts: Ray gauges are set, not incremented.
+_in_flight: Counter[tuple[str, str]] = Counter()
+_queued: Counter[str] = Counter()
+
+
+def _record(fn: Any) -> None:
+    try:
+        m = _get()
+        if m:
+            fn(m)
+    except Exception:  # noqa: BLE001 - metrics never break a request
+        log.debug("metrics recording failed", exc_info=True)
+
+
+def replicas_routable(model: str, version: str, count: int) -> None:
+    _record(lambda m: m["shunter_replicas_routable"].set(count, tags={"model": model, "version": version}))
+
+
+def wants_usage_chunk(body: dict[str, Any]) -> bool:
+    """Whether the client asked for the final usage chunk of a stream itself."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def ask_for_usage(body: dict[str, Any]) -> dict[str, Any]:
+    """The body to send to the engine: a stream always ends with a usage chunk, so tokens are counted."""
+    if not body.get("stream"):
+        return body
+    options = body.get("stream_options")
+    options = dict(options) if isinstance(options, dict) else {}
+    options["include_usage"] = True
+    return {**body, "stream_options": options}
+
+
+class RequestTelemetry:
+    """One request's metrics and spans; see the module docstring."""
+
+    def __init__(self, model: str, endpoint: str, headers: Any, request_id: str, client_wants_usage: bool = False,
+                 log_prompt: str | None = None):
+        self.model, self.endpoint, self.request_id = model, endpoint, request_id
+        self.client_wants_usage = client_wants_usage
+        self.version = "default"
+        self.began = time.monotonic()
+        self.first_token_at: float | None = None
+        self.streamed = False
+        self.last_chunk_at: float | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+        self.replica: str | None = None
+        self._queued = False
+        self._flying = False
+        self._done = False
+        self._itl: list[float] = []
+        self.span = tracing.tracer().start_span(
+            f"{_OPERATION.get(endpoint, endpoint)} {model}", context=tracing.extract(headers), kind=SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": _OPERATION.get(endpoint, endpoint), "gen_ai.request.model": model,
+                        "shunter.request_id": request_id, "http.route": f"/v1/{endpoint}"})
+        if log_prompt is not None:
+            self.span.set_attribute("shunter.prompt", log_prompt[:4096])
+        self._route_span: trace.Span | None = None
+
+    @property
+    def trace_id(self) -> str | None:
+        return tracing.trace_id_hex(self.span)
+
+    def use(self) -> Any:
+        """Context manager making the server span current (log records then carry its trace id)."""
+        return trace.use_span(self.span, end_on_exit=False)
+
+    # ---- the path of the request ------------------------------------------------------------------
+
+    def admitted(self) -> None:
+        self._queued = True
+        _queued[self.model] += 1
+        self._set_queued()
+
+    def routing(self, version: str, attempt: int) -> dict[str, str]:
+        """A routing attempt on `version` starts; returns the trace carrier for the replica."""
+        self.version = version
+        self._end_route(None)
+        self._route_span = tracing.tracer().start_span(
+            "route", context=trace.set_span_in_context(self.span),
+            attributes={"shunter.model": self.model, "shunter.version": version, "shunter.attempt": attempt})
+        with trace.use_span(self._route_span, end_on_exit=False):
+            return tracing.inject()
+
+    def accepted(self, replica: str) -> None:
+        """A replica took the request: it no longer waits in this gateway."""
+        self.replica = replica
+        if self._route_span is not None:
+            self._route_span.set_attribute("shunter.replica", replica)
+        self._leave_queue()
+        if not self._flying:
+            self._flying = True
+            _in_flight[(self.model, self.version)] += 1
+            self._set_in_flight()
+
+    def attempt_failed(self, why: str) -> None:
+        self._end_route(why)
+        if self._flying:  # the replica failed before the first byte: the retry is a new flight
+            self._flying = False
+            _in_flight[(self.model, self.version)] -= 1
+            self._set_in_flight()
+
+    def answered(self) -> None:
+        """The reply's head (and for a stream its first chunk) is here: routing is over."""
+        self._end_route(None)
+        self.span.set_attributes({"shunter.version": self.version, "shunter.replica": self.replica or ""})
+
+    def chunk(self, text: str) -> str | None:
+        """A stream chunk on its way to the client. Returns it, or None to drop it (the usage chunk the
+        client did not ask for). Token chunks time TTFT and the inter-token gaps."""
+        now = time.monotonic()
+        if text.startswith("data: {") and '"usage"' in text:
+            usage = _usage_of(text)
+            if usage is not None:
+                self._usage(usage)
+                if _is_usage_only(text):
+                    return text if self.client_wants_usage else None
+        if text.startswith("data: {"):
+            self.streamed = True
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.span.add_event("first_token")
+            elif self.last_chunk_at is not None:
+                self._itl.append(now - self.last_chunk_at)
+            self.last_chunk_at = now
+        return text
+
+    def whole_reply(self, body: Any) -> None:
+        """A non-streamed reply: its arrival is the first (and last) token."""
+        self.first_token_at = time.monotonic()
+        if isinstance(body, dict) and isinstance(body.get("usage"), dict):
+            self._usage(body["usage"])
+
+    def finish(self, status: int | str) -> None:
+        """The request is over, with the status the client saw. Called once; later calls do nothing."""
+        if self._done:
+            return
+        self._done = True
+        self._leave_queue()
+        self._end_route(None)
+        if self._flying:
+            self._flying = False
+            _in_flight[(self.model, self.version)] -= 1
+            self._set_in_flight()
+        end = time.monotonic()
+        status = str(status)
+        tags = {"model": self.model, "version": self.version}
+
+        def record(m: dict[str, Any]) -> None:
+            m["shunter_requests_total"].inc(1, tags={**tags, "endpoint": self.endpoint, "status": status})
+            if status.startswith("2"):
+                by_endpoint = {**tags, "endpoint": self.endpoint}
+                m["shunter_e2e_request_latency_seconds"].observe(end - self.began, tags=by_endpoint)
+                if self.streamed and self.first_token_at is not None:
+                    m["shunter_time_to_first_token_seconds"].observe(self.first_token_at - self.began,
+                                                                     tags=by_endpoint)
+                for gap in self._itl:
+                    m["shunter_inter_token_latency_seconds"].observe(gap, tags=by_endpoint)
+            if self.prompt_tokens:
+                m["shunter_prompt_tokens_total"].inc(self.prompt_tokens, tags=tags)
+            if self.completion_tokens:
+                m["shunter_completion_tokens_total"].inc(self.completion_tokens, tags=tags)
+
+        _record(record)
+        try:
+            self.span.set_attributes({"http.response.status_code": status, "shunter.version": self.version,
+                                      "gen_ai.usage.input_tokens": self.prompt_tokens,
+                                      "gen_ai.usage.output_tokens": self.completion_tokens})
+            if not status.startswith("2"):
+                self.span.set_status(Status(StatusCode.ERROR, status))
+            self.span.end()
+        except Exception:  # noqa: BLE001 - tracing never breaks a request
+            log.debug("span end failed", exc_info=True)
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    def _leave_queue(self) -> None:
+        if self._queued:
+            self._queued = False
+            _queued[self.model] -= 1
+            self._set_queued()
+
+    def _end_route(self, failure: str | None) -> None:
+        span, self._route_span = self._route_span, None
+        if span is None:
+            return
+        if failure:
+            span.set_status(Status(StatusCode.ERROR, failure))
+        span.end()
+
+    def _set_queued(self) -> None:
+        count = _queued[self.model]
+        _record(lambda m: m["shunter_requests_queued"].set(count, tags={"model": self.model}))
+
+    def _set_in_flight(self) -> None:
+        count = _in_flight[(self.model, self.version)]
+        _record(lambda m: m["shunter_requests_in_flight"].set(count, tags={"model": self.model,
+                                                                           "version": self.version}))
+
+
+def _usage_of(text: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(text[len("data: "):])
+    except ValueError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _is_usage_only(text: str) -> bool:
+    try:
+        data = json.loads(text[len("data: "):])
+    except ValueError:
+        return False
+    return isinstance(data, dict) and not data.get("choices")

@@ -1,0 +1,126 @@
+"""`shunter demo`: see the dashboards without a Grafana or Prometheus server.
+
+It serves a config on a local Ray cluster (with Ray's metrics exporter on a known port), drives a short
+shared-prefix load with `shunter bench`'s load generator, scrapes the metrics endpoint every two
+seconds meanwhile, and renders the key panels of the shipped dashboards (ops/grafana) to PNG files by
+evaluating their own PromQL over the scraped samples (ops.panels). The PNGs show what an operator's
+Grafana shows for the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The panels each PNG shows: the ones an operator looks at first.
+KEY_PANELS: dict[str, list[str]] = {
+    "shunter-overview": ["Requests/s by model", "Time to first token", "Inter-token latency", "End-to-end latency",
+                         "Output tokens/s by model", "Error ratio by model"],
+    "shunter-capacity": ["Requests in flight", "Engine requests running per replica", "KV-cache usage per replica",
+                         "Replicas: routable, desired, running"],
+    "shunter-routing": ["Routing decisions/s by reason", "Prefix match ratio (router's estimate)",
+                        "Engine prefix-cache hit rate per replica"],
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shunter demo", description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "local.yaml")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the model the load goes to")
+    p.add_argument("--duration", type=float, default=90, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboards")
+    p.add_argument("--rate-interval", default="20s", help="what the panels' $__rate_interval means here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    base, metrics_url = _serve(args.config)
+    from ops.panels.render import render_all
+    from ops.panels.scrape import SampleStore, scrape_loop
+
+    store, stop = SampleStore(), threading.Event()
+    scraper = threading.Thread(target=scrape_loop, args=(metrics_url, store, 2.0, stop), daemon=True)
+    scraper.start()
+    try:
+        summary = _load(base, args)
+        time.sleep(10)  # the last requests' metrics reach the exporter
+    finally:
+        stop.set()
+        scraper.join(timeout=10)
+        _shutdown()
+    written = render_all(ROOT / "ops" / "grafana", store, args.out, KEY_PANELS, step_s=2.0,
+                         rate_interval=args.rate_interval)
+    print(f"load: {summary['requests']} requests, {summary['output_tokens_per_s']:.0f} output tokens/s; "
+          f"{len(store.times())} scrapes")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _serve(config: Path) -> tuple[str, str]:
+    """Serve the config's Shunter application locally; returns its base URL and metrics URL."""
+    import ray
+    import yaml
+    from ray import serve
+
+    from deployments.app import build_app
+
+    apps = yaml.safe_load(config.read_text())["applications"]
+    app = next(a for a in apps if a.get("import_path", "").startswith("deployments.app"))
+    http_port, metrics_port = _free_port(), _free_port()
+    ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    print(f"starting {app['name']} from {config} (the engines take a minute)...", flush=True)
+    serve.run(build_app(app["args"]), name=app["name"], route_prefix="/")
+    base = f"http://127.0.0.1:{http_port}"
+    _wait_ready(base)
+    return base, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
+    from shunter.bench.runner import run, run_parser
+
+    bench = run_parser().parse_args([
+        "--base-url", f"{base}/v1", "--model", args.model, "--workload", "shared-prefix", "--groups", "3",
+        "--users", "6", "--system-len", "512", "--output-len", "uniform:16:48",
+        "--concurrency", str(args.concurrency), "--duration", str(args.duration), "--quiet"])
+    return run(bench)["summary"]
+
+
+def _wait_ready(base: str, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"the app at {base} was not ready within {timeout_s:g}s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,142 @@
+"""Every metric Shunter exports: name, kind, labels, buckets and meaning, in one place.
+
+The recording code (`routing.metrics`, `ops.metrics`, `deployments.telemetry`) builds its Ray metrics from
+these specs, and the dashboard generator (`ops.dashboards`) writes queries against them. Ray exports
+each with a `ray_` prefix (`shunter_requests_total` is scraped as `ray_shunter_requests_total`), adds
+its own labels (`WorkerId`, `NodeAddress`, `SessionName`, ...) and, for histograms, the
+`_bucket`/`_sum`/`_count` series. A dashboard test scrapes a live app to prove the names below are
+what really comes out.
+
+Labels: `model` is always a configured model's name (never a client's string), `version` the model
+version (`default` for a model without versions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+RAY_PREFIX = "ray_"
+
+# Latency buckets for LLM serving: tens of milliseconds (a cached prefix, a short reply) to minutes
+# (a long generation queued behind others on a busy CPU engine).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+DRAIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as recorded; scraped as RAY_PREFIX + name
+    kind: Kind
+    labels: tuple[str, ...]
+    description: str
+    source: str  # the process that records it: gateway, router, replica, autoscaler, controller
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        return RAY_PREFIX + self.name
+
+
+_MV = ("model", "version")
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # ---- requests, as the gateway relays them (client-perceived) --------------------------------
+    MetricSpec("shunter_requests_total", "counter", (*_MV, "endpoint", "status"),
+               "Requests answered, by HTTP status; `stream_error` for a stream that ended with an error "
+               "event after its 200 head.", "gateway"),
+    MetricSpec("shunter_time_to_first_token_seconds", "histogram", (*_MV, "endpoint"),
+               "Streamed 2xx requests: from the request's arrival at the gateway to its first token chunk.",
+               "gateway", TTFT_BUCKETS),
+    MetricSpec("shunter_inter_token_latency_seconds", "histogram", (*_MV, "endpoint"),
+               "Streamed 2xx requests: gap between consecutive token chunks, as relayed to the client.",
+               "gateway", ITL_BUCKETS),
+    MetricSpec("shunter_e2e_request_latency_seconds", "histogram", (*_MV, "endpoint"),
+               "2xx requests (streamed or not): from the request's arrival at the gateway to its last byte.",
+               "gateway", E2E_BUCKETS),
+    MetricSpec("shunter_prompt_tokens_total", "counter", _MV, "Prompt tokens of answered requests.", "gateway"),
+    MetricSpec("shunter_completion_tokens_total", "counter", _MV, "Tokens generated for answered requests.",
+               "gateway"),
+    MetricSpec("shunter_requests_in_flight", "gauge", _MV,
+               "Requests a gateway process has sent to the version and not finished relaying.", "gateway"),
+    MetricSpec("shunter_requests_queued", "gauge", ("model",),
+               "Requests admitted by a gateway process and still waiting for a replica to take them.",
+               "gateway"),
+    MetricSpec("shunter_replicas_routable", "gauge", _MV,
+               "Running replicas a gateway process routes to (Ray's replica set, breakers aside).", "gateway"),
+    MetricSpec("shunter_rejections_total", "counter", ("model", "reason"),
+               "Requests refused before a replica took them: queue_full (429), cold_start_timeout, "
+               "queue_timeout, replicas_unavailable, model_unavailable (503).", "gateway"),
+    MetricSpec("shunter_drain_seconds", "histogram", ("model",),
+               "Time a leaving replica took to finish the streams relayed from it.", "gateway", DRAIN_BUCKETS),
+    MetricSpec("shunter_drain_aborted_total", "counter", ("model",), "Streams ended at the drain timeout.",
+               "gateway"),
+    # ---- routing, in the gateway's routers ---------------------------------------------------
+    MetricSpec("shunter_routing_decisions_total", "counter", (*_MV, "policy", "reason"),
+               "Routing decisions by reason: prefix_hit, load_fallback, least_loaded, breaker_skip, retry "
+               "(power_of_two and custom policies record their own name).", "router"),
+    MetricSpec("shunter_routing_prefix_match_ratio", "histogram", _MV,
+               "Share of each routed prompt that the chosen replica held in its KV cache (as the router "
+               "believes).", "router", RATIO_BUCKETS),
+    MetricSpec("shunter_breaker_state", "gauge", (*_MV, "replica"),
+               "Circuit breaker per replica: 0 closed, 1 half-open, 2 open.", "router"),
+    MetricSpec("shunter_breaker_transitions_total", "counter", (*_MV, "replica", "to"),
+               "Circuit breaker state changes per replica.", "router"),
+    # ---- engines, from each ModelServer replica -------------------------------------------------
+    MetricSpec("shunter_engine_kv_cache_usage_ratio", "gauge", (*_MV, "replica"),
+               "Fraction of the engine's KV-cache blocks in use.", "replica"),
+    MetricSpec("shunter_engine_prefix_cache_queries_total", "counter", (*_MV, "replica"),
+               "Prompt tokens the engine looked up in its prefix cache.", "replica"),
+    MetricSpec("shunter_engine_prefix_cache_hits_total", "counter", (*_MV, "replica"),
+               "Prompt tokens the engine found in its prefix cache.", "replica"),
+    MetricSpec("shunter_engine_requests_running", "gauge", (*_MV, "replica"),
+               "Requests the engine is running (decoding or prefilling).", "replica"),
+    MetricSpec("shunter_engine_requests_waiting", "gauge", (*_MV, "replica"),
+               "Requests waiting in the engine's scheduler queue.", "replica"),
+    # ---- autoscaling, from the queue-depth policy in Ray Serve's controller ----------------------------
+    MetricSpec("shunter_autoscaling_desired_replicas", "gauge", _MV,
+               "Replicas the queue-depth policy asks for (0 for a retired version).", "autoscaler"),
+    MetricSpec("shunter_autoscaling_running_replicas", "gauge", _MV, "Replicas running when the policy decided.",
+               "autoscaler"),
+    MetricSpec("shunter_queue_depth", "gauge", _MV,
+               "Requests waiting or running in the engines plus queued ahead of the replicas.", "autoscaler"),
+    # ---- rollouts, from the application's control actor -------------------------------------------
+    MetricSpec("shunter_rollout_phase", "gauge", ("model", "phase"),
+               "1 for the phase the model's latest rollout is in, 0 for the others.", "controller"),
+    MetricSpec("shunter_rollout_step", "gauge", ("model",),
+               "The step a rollout holds (1-based; 0 when not shifting).", "controller"),
+    MetricSpec("shunter_traffic_weight", "gauge", _MV, "Percent of a model's traffic each version gets, as "
+               "the gateway applies it (the file's weights, a rollout's or an operator's).", "gateway"),
+    MetricSpec("shunter_rollout_gate", "gauge", ("model", "gate"),
+               "Gate values of a rollout's latest judgement (error rates, p95s, request counts).", "controller"),
+    MetricSpec("shunter_rollout_decisions_total", "counter", ("model", "decision"),
+               "Rollout decisions: ready, step, promote, rollback, done, pause, resume.", "controller"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
+
+
+def spec(name: str) -> MetricSpec:
+    return BY_NAME[name]
+
+
+def build(metrics_module: object, names: tuple[str, ...]) -> dict[str, object]:
+    """Ray metric objects (`ray.util.metrics`) for the named specs, keyed by name; gauges wrapped so they
+    keep reporting (see `shunter.ray_metrics.StickyGauge`)."""
+    from shunter.ray_metrics import StickyGauge
+
+    built: dict[str, object] = {}
+    for name in names:
+        m = BY_NAME[name]
+        kind = {"counter": "Counter", "gauge": "Gauge", "histogram": "Histogram"}[m.kind]
+        kwargs: dict[str, object] = {"description": m.description, "tag_keys": m.labels}
+        if m.kind == "histogram":
+            kwargs["boundaries"] = list(m.buckets)
+        metric = getattr(metrics_module, kind)(m.name, **kwargs)
+        built[name] = StickyGauge(metric) if m.kind == "gauge" else metric
+    return built
