@@ -1,0 +1,111 @@
+"""The gateway's per-request telemetry without Ray: spans into OpenTelemetry's in-memory exporter, the
+usage chunk the gateway asked for, and the timing of token chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from deployments.replica_telemetry import traced
+from deployments.telemetry import RequestTelemetry, ask_for_usage, wants_usage_chunk
+from shunter import tracing
+
+EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def provider():
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)  # once per process; nothing else in the unit tests sets one
+    yield
+    provider.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    EXPORTER.clear()
+
+
+def _chunk(content: str) -> str:
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content}}]}) + "\n\n"
+
+
+USAGE = "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}) + "\n\n"
+
+
+def test_a_stream_always_asks_the_engine_for_usage_and_keeps_the_clients_options():
+    body = {"stream": True, "stream_options": {"continuous_usage_stats": False}}
+    sent = ask_for_usage(body)
+    assert sent["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    assert body["stream_options"] == {"continuous_usage_stats": False}, "the client's body is not changed"
+    assert ask_for_usage({"stream": False}) == {"stream": False}
+    assert wants_usage_chunk({"stream_options": {"include_usage": True}})
+    assert not wants_usage_chunk({"stream": True})
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_the_usage_chunk_counts_tokens_and_reaches_only_a_client_that_asked(client_asked):
+    tel = RequestTelemetry("m", "chat", {}, "req-1", client_wants_usage=client_asked)
+    relayed = [tel.chunk(c) for c in (_chunk("a"), _chunk("b"), USAGE, "data: [DONE]\n\n")]
+    assert relayed[:2] == [_chunk("a"), _chunk("b")] and relayed[3] == "data: [DONE]\n\n"
+    assert (relayed[2] is not None) == client_asked
+    assert (tel.prompt_tokens, tel.completion_tokens) == (7, 3)
+    assert tel.streamed and len(tel._itl) == 1, "one gap between the two token chunks"
+    tel.finish(200)
+    (span,) = EXPORTER.get_finished_spans()
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3 and span.attributes["shunter.request_id"] == "req-1"
+    assert [e.name for e in span.events] == ["first_token"]
+
+
+def test_a_request_is_one_trace_continuing_the_clients_traceparent():
+    trace_id, parent = "0af7651916cd43dd8448eb211cac4b16", "b7ad6b7169203331"
+    tel = RequestTelemetry("m", "chat", {"traceparent": f"00-{trace_id}-{parent}-01"}, "req-2")
+    carrier = tel.routing("v1", attempt=1)
+    tel.attempt_failed("ReplicaFailure")
+    carrier = tel.routing("v2", attempt=1)  # the version fallback: a second routing span
+    tel.accepted("replica-a")
+    tel.answered()
+    tel.finish(200)
+    spans = {(s.name, s.attributes.get("shunter.version")): s for s in EXPORTER.get_finished_spans()}
+    server = spans[("chat m", "v2")]
+    assert format(server.context.trace_id, "032x") == trace_id and format(server.parent.span_id, "016x") == parent
+    first, second = spans[("route", "v1")], spans[("route", "v2")]
+    assert first.parent.span_id == server.context.span_id == second.parent.span_id
+    assert not first.status.is_ok and second.attributes["shunter.replica"] == "replica-a"
+    assert carrier["traceparent"].split("-")[1:3] == [trace_id, format(second.context.span_id, "016x")], \
+        "the replica gets the context of the routing span that reached it"
+
+
+def test_the_replica_span_continues_the_carrier_and_marks_the_first_token():
+    with tracing.tracer().start_as_current_span("gateway") as gateway:
+        carrier = tracing.inject()
+
+    async def reply():
+        for item in ("accepted", {"status": 200, "stream": True}, _chunk("x"), _chunk("y")):
+            yield item
+
+    async def relay() -> list:
+        return [i async for i in traced(reply(), carrier, "chat", "m", "v1", "r1")]
+
+    items = asyncio.run(relay())
+    assert len(items) == 4
+    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    replica, engine = spans["replica chat"], spans["engine.generate"]
+    assert replica.parent.span_id == gateway.get_span_context().span_id
+    assert engine.parent.span_id == replica.context.span_id
+    assert [e.name for e in engine.events] == ["first_token"] and engine.attributes["shunter.chunks"] == 2
+
+
+def test_a_failed_request_ends_its_span_as_an_error_once():
+    tel = RequestTelemetry("m", "completion", {}, "req-3")
+    tel.finish(503)
+    tel.finish(200)  # a second end (a stream's relay closing late) changes nothing
+    (span,) = EXPORTER.get_finished_spans()
+    assert not span.status.is_ok and span.attributes["http.response.status_code"] == "503"
