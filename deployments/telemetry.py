@@ -152,11 +152,11 @@ class RequestTelemetry:
         """A stream chunk on its way to the client. Returns it, or None to drop it (the usage chunk the
         client did not ask for). Token chunks time TTFT and the inter-token gaps."""
         now = time.monotonic()
-        if text.startswith("data: {") and '"usage"' in text:
-            usage = _usage_of(text)
-            if usage is not None:
-                self._usage(usage)
-                if _is_usage_only(text):
+        if text.startswith("data: {") and '"usage"' in text:  # cheap test first: parse only these
+            data = _event_json(text)
+            if isinstance(data.get("usage"), dict):
+                self._usage(data["usage"])
+                if not data.get("choices"):  # the final usage-only chunk
                     return text if self.client_wants_usage else None
         if text.startswith("data: {"):
             self.streamed = True
@@ -245,18 +245,10 @@ class RequestTelemetry:
                                                                            "version": self.version}))
 
 
-def _usage_of(text: str) -> dict[str, Any] | None:
+def _event_json(text: str) -> dict[str, Any]:
+    """The JSON object of one SSE `data:` event, or {} when it is not one."""
     try:
         data = json.loads(text[len("data: "):])
     except ValueError:
-        return None
-    usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
-
-
-def _is_usage_only(text: str) -> bool:
-    try:
-        data = json.loads(text[len("data: "):])
-    except ValueError:
-        return False
-    return isinstance(data, dict) and not data.get("choices")
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -185,28 +185,28 @@ def _kind(value: Value) -> str:
     return "string" if isinstance(value, str) else "scalar"
 
 
-def _vector_arg(value: Value, where: str) -> _Vector:
-    if not isinstance(value, _Vector):
-        raise PromQLError(f"{where} expects an instant vector, got a {_kind(value)}")
+def _arg(value: Value, kind: type, where: str) -> Value:
+    """`value`, checked to be of the PromQL kind `where` expects (_Vector, _Matrix, float or str)."""
+    if not isinstance(value, kind):
+        expected = {_Vector: "an instant vector", _Matrix: "a range vector", float: "a scalar", str: "a string"}[kind]
+        raise PromQLError(f"{where} expects {expected}, got a {_kind(value)}")
     return value
+
+
+def _vector_arg(value: Value, where: str) -> _Vector:
+    return _arg(value, _Vector, where)  # type: ignore[return-value]
 
 
 def _matrix_arg(value: Value, where: str) -> _Matrix:
-    if not isinstance(value, _Matrix):
-        raise PromQLError(f"{where} expects a range vector, got a {_kind(value)}")
-    return value
+    return _arg(value, _Matrix, where)  # type: ignore[return-value]
 
 
 def _scalar_arg(value: Value, where: str) -> float:
-    if not isinstance(value, float):
-        raise PromQLError(f"{where} expects a scalar, got a {_kind(value)}")
-    return value
+    return _arg(value, float, where)  # type: ignore[return-value]
 
 
 def _string_arg(value: Value, where: str) -> str:
-    if not isinstance(value, str):
-        raise PromQLError(f"{where} expects a string, got a {_kind(value)}")
-    return value
+    return _arg(value, str, where)  # type: ignore[return-value]
 
 
 def _drop_name(labels: Labels) -> Labels:

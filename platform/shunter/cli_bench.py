@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from shunter.local_serve import free_port
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple words.", "Write a haiku about rain.",
@@ -126,12 +127,6 @@ async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: li
     return [await measure(side, c, _requests_for(c)) for c in levels]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[subprocess.Popen, str]:
     """vLLM's own OpenAI server (the reference peers compare against), same settings and cores."""
     import os
@@ -141,7 +136,7 @@ def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[sub
     from shunter.cpu_cores import node_cores
     from shunter.engine import EngineSpec, cpu_engine_env
 
-    port = _free_port()
+    port = free_port()
     args = EngineSpec(served_name, model_path, "generate", engine_cfg, "cpu").engine_args()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
@@ -180,7 +175,7 @@ def _serve_single_model(args_cfg: Any, model_name: str) -> str:
     cfg = ShunterConfig.model_validate({**args_cfg.model_dump(), "models": [
         m.model_dump() for m in args_cfg.models if m.name == model_name]})
     ray.init(include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(assemble(cfg), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,32 +46,19 @@ def _counters(handle: Any, replicas: list[str]) -> dict[str, dict[str, Any]]:
     return {r: handle.stats.remote(RouteHint(pin=r)).result(timeout_s=60) for r in replicas}
 
 
-def _wait_ready(base_url: str, timeout_s: float = 900) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"{base_url} not ready after {timeout_s}s")
-
-
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2) -> dict[str, Any]:
     import ray
     from ray import serve
 
     from deployments.app import assemble, deployment_name
     from shunter.bench.runner import run, run_parser
-    from shunter.cli_bench import _free_port, _model_of
+    from shunter.cli_bench import _model_of
     from shunter.config import ShunterConfig
+    from shunter.local_serve import free_port, wait_ready
 
     cfg, model, _ = _model_of(config, model_name)
     ray.init(include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
     rows = []
@@ -82,7 +68,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             app_cfg = ShunterConfig.model_validate({**cfg.model_dump(mode="json"), "models": [spec]})
             print(f"\n== {name}: deploying {replicas} fresh replicas", flush=True)
             serve.run(assemble(app_cfg), name=APP, route_prefix="/")
-            _wait_ready(base)
+            wait_ready(base)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
             ids = _replica_ids(handle, replicas)
             before = _counters(handle, ids)

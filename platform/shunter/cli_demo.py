@@ -73,16 +73,17 @@ def _serve(config: Path) -> tuple[str, str]:
     from ray import serve
 
     from deployments.app import build_app
+    from shunter.local_serve import free_port, wait_ready
 
     apps = yaml.safe_load(config.read_text())["applications"]
     app = next(a for a in apps if a.get("import_path", "").startswith("deployments.app"))
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_port(), free_port()
     ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     print(f"starting {app['name']} from {config} (the engines take a minute)...", flush=True)
     serve.run(build_app(app["args"]), name=app["name"], route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
-    _wait_ready(base)
+    wait_ready(base, timeout_s=600)
     return base, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
@@ -94,28 +95,6 @@ def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
         "--users", "6", "--system-len", "512", "--output-len", "uniform:16:48",
         "--concurrency", str(args.concurrency), "--duration", str(args.duration), "--quiet"])
     return run(bench)["summary"]
-
-
-def _wait_ready(base: str, timeout_s: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"the app at {base} was not ready within {timeout_s:g}s")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shutdown() -> None:
