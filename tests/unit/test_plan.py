@@ -25,8 +25,8 @@ def test_a_lone_cpu_engine_gets_every_core():
 
 
 def test_explicit_cores_win_and_must_fit_tp():
-    cfg = parse_config({"models": [{**SMOL, "cpu_cores_per_replica": 1, "engine": {"tensor_parallel_size": 2}}]})
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+    cfg = parse_config({"models": [{**SMOL, "cpu_cores_per_replica": 2, "engine": {"tensor_parallel_size": 3}}]})
+    with pytest.raises(ConfigError, match=r"2 cores cannot host 3 engine ranks"):
         plan_deployments(cfg, CPU2)
 
 
