@@ -5,13 +5,14 @@ PYTHON  ?= python3
 VENV    ?= .venv
 ENGINE  ?= cpu
 CONFIG  ?= configs/local.yaml
+NODES   ?=
 PYTEST_ARGS ?=
 
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config clean
+.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config plan clean
 
 help: ## List the commands
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -63,6 +64,9 @@ dashboards: install ## Regenerate ops/grafana/ from ops/dashboards (make dashboa
 
 check-config: install ## Validate CONFIG and print the resolved Shunter config
 	$(BIN)/shunter config check $(CONFIG)
+
+plan: install ## Where CONFIG's replicas' GPUs would go, checked (NODES="2x8xH100" plans on other nodes)
+	$(BIN)/shunter plan $(CONFIG) $(foreach n,$(NODES),--nodes $(n))
 
 clean: ## Remove the virtualenv and caches (not the prepared models)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

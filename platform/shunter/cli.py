@@ -9,6 +9,7 @@
     shunter bench compare A B ... result files side by side, with ratios and a plot
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
+    shunter bench placement       how often a placement splits a TP stage across nodes (simulated cluster)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
     shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
     shunter rollout status|pause|resume|rollback MODEL
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
     bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
+    bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
 
     sub.add_parser("demo", help="serve a config, load it, render the dashboards' key panels to PNG "
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from shunter.cli_demo import main as demo
 
         return demo(argv[1:])
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "suite"):
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "placement", "suite"):
         return _bench(argv[1], argv[2:])  # each benchmark parses its own options
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
@@ -75,6 +77,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli_bench_routing import main as routing
 
         return routing(argv)
+    if action == "placement":
+        from shunter.cli_bench_placement import main as placement
+
+        return placement(argv)
     if action in ("overhead", "suite"):
         from shunter.cli_bench import main as overhead
         from shunter.cli_bench import suite_main

@@ -1,0 +1,153 @@
+"""Real parallel execution on CPU: tensor parallelism 2 and pipeline parallelism 2 through the gateway,
+checked against the same model served with one rank (greedy decoding must give the same tokens).
+
+- TP=2 needs a model whose heads split in two; the builtin SmolLM2 has 9. The test makes one: random
+  weights in float32 (so both splits compute the same sums), 4 heads and 2 KV heads, with the builtin
+  SmolLM2 tokenizer and chat template.
+- PP=2 runs the builtin SmolLM2 split into two stages of 15 layers (the CPU engine needs compile mode for
+  it; the platform chooses that itself). Both run in float32, so only the split differs from the reference.
+
+Each app takes both cores of this machine, so they run one after another on a cluster of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .live import LiveApp, free_port, wait_ready
+
+pytestmark = pytest.mark.own_cluster
+
+APP = "parallel"
+SMOL = "builtin:smollm2-135m-instruct"
+PROMPTS = ["Name three rivers of Europe.", "def fibonacci(n):"]
+
+
+def make_tiny_model(out: Path) -> Path:
+    """A 4-layer Llama with random weights and SmolLM2's tokenizer: 4 attention heads, 2 KV heads."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from shunter.catalog import resolve_source
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(SMOL, progress=False))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        # Wide weights make the next-token choice clear-cut, so rounding never decides it.
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _model(name: str, source: str, cores: int, tp: int = 1, pp: int = 1, **engine) -> dict:
+    # float32: a split changes the order of sums; in bfloat16 that can flip a near-tie a dozen tokens in.
+    return {"name": name, "source": source, "cpu_cores_per_replica": cores,
+            "engine": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "cpu_kv_cache_gib": 1,
+                       "tensor_parallel_size": tp, "pipeline_parallel_size": pp, **engine}}
+
+
+class Cluster:
+    """One Ray cluster for the module; `serve(models)` replaces the app and waits for it."""
+
+    def __init__(self) -> None:
+        import ray
+        from ray import serve
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        self.app = LiveApp(f"http://127.0.0.1:{port}")
+
+    def serve(self, models: list[dict]) -> LiveApp:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.delete(APP)  # frees the cores before the next app claims them
+        serve.run(build_app({"models": models}), name=APP, route_prefix="/")
+        wait_ready(self.app.base_url)
+        return self.app
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(exclusive_machine, tmp_path_factory) -> Iterator[tuple[Cluster, str, dict[str, list[str]]]]:
+    tiny = str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+    live = Cluster()
+    try:
+        # The references: each model with one rank, both at once on one core each, run as its split
+        # counterpart runs (the CPU engine compiles when it has pipeline stages, so SmolLM2's reference
+        # is compiled too): the split is the only difference.
+        app = live.serve([_model("tiny", tiny, 1), _model("smol", SMOL, 1, enforce_eager=False)])
+        reference = {model: _answers(app, model) for model in ("tiny", "smol")}
+        yield live, tiny, reference
+    finally:
+        live.close()
+
+
+def _answers(app: LiveApp, model: str, stream: bool = False) -> list[str]:
+    client = app.openai()
+    answers = []
+    for prompt in PROMPTS:
+        kwargs = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                  "temperature": 0}
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            answers.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            answers.append(client.chat.completions.create(**kwargs).choices[0].message.content)
+    return answers
+
+
+def _engine_workers() -> list[str]:
+    """Process titles of vLLM's multiprocessing workers (one per rank) on this machine."""
+    titles = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if line.startswith("VLLM::Worker_"):
+            titles.append(line)
+    return titles
+
+
+def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
+    live, tiny, reference = cluster
+    assert all(reference["tiny"]), "the random model says something (greedy, 24 tokens)"
+    app = live.serve([_model("tiny", tiny, 2, tp=2)])
+    workers = _engine_workers()
+    assert len(workers) == 2 and any("TP1" in w for w in workers), f"two TP ranks run: {workers}"
+    assert _answers(app, "tiny") == reference["tiny"]
+    assert _answers(app, "tiny", stream=True) == reference["tiny"], "streamed through the gateway too"
+
+
+def test_pipeline_parallel_2_answers_as_one_rank_does(cluster):
+    live, _, reference = cluster
+    app = live.serve([_model("smol", SMOL, 2, pp=2)])
+    workers = _engine_workers()
+    assert len(workers) == 2 and any("PP1" in w for w in workers), f"two pipeline stages run: {workers}"
+    assert _answers(app, "smol") == reference["smol"]
+    assert "Paris" in app.openai().chat.completions.create(
+        model="smol", max_tokens=16, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}]).choices[0].message.content
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_anything_starts(cluster):
+    from deployments.app import build_app
+    from shunter.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not divide the model's 9 attention heads"):
+        build_app({"models": [_model("smol", SMOL, 2, tp=2)]})
