@@ -1,6 +1,7 @@
 """Marks each test by its folder (unit / integration / e2e) so `-m` selections work, and orders tiers.
 
-Order: unit, integration, e2e, then tests that start a Ray cluster of their own. Integration and e2e
+Tests marked `gpu` (optionally `gpu(devices=N)`) are skipped, with the reason, where torch sees fewer
+CUDA devices. Order: unit, integration, e2e, then tests that start a Ray cluster of their own. Integration and e2e
 tests each bring up a Ray cluster in this process; running tier by tier lets each tier stop its
 cluster before the next one starts, so their engines never compete for the same cores.
 """
@@ -19,7 +20,22 @@ def _tier(item: pytest.Item) -> int:
     return next((i for i, tier in enumerate(_TIERS) if tier in parts), len(_TIERS))
 
 
+def _cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch, or a CPU build: no GPU
+        return 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    devices = _cuda_devices() if gpu_tests else 0
+    for item in gpu_tests:
+        needed = item.get_closest_marker("gpu").kwargs.get("devices", 1)
+        if devices < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s); this machine has {devices}"))
     for item in items:
         tier = _tier(item)
         if tier < len(_TIERS):

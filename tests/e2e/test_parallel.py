@@ -58,11 +58,12 @@ def _model(name: str, source: str, cores: int, tp: int = 1, pp: int = 1, **engin
 class Cluster:
     """One Ray cluster for the module; `serve(models)` replaces the app and waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: bool = False) -> None:
         import ray
         from ray import serve
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # On a GPU machine Ray finds the GPUs itself; the CPU tests keep to this machine's two cores.
+        ray.init(include_dashboard=False, log_to_driver=False, **({} if gpus else {"num_cpus": 2}))
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.app = LiveApp(f"http://127.0.0.1:{port}")
