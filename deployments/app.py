@@ -136,8 +136,9 @@ def check_placement(cfg: ShunterConfig, cluster: ClusterView,
                     accelerators: dict[str, str] | None = None) -> ClusterPlan | None:
     """Every version's split checked against its model (heads, layers) and engine (dtype, quantization,
     GPU type), then every GPU replica placed on the cluster's nodes: the config's `cluster:` if it has
-    one, else the live GPU nodes. Raises ConfigError listing every problem; returns the GPU plan (None
-    when there are no GPU models, or no nodes to check against)."""
+    one (a misfit is an error), else the live GPU nodes (a misfit is a warning: an autoscaler may add
+    nodes). Raises ConfigError listing every problem; returns the GPU plan (None when there are no GPU
+    models, no nodes to check against, or the live nodes are too few now)."""
     accelerators = accelerators or {m.name: _accelerator(m, cluster) for m in cfg.models}
     problems: list[str] = []
     demands: list[ReplicaDemand] = []
@@ -173,8 +174,14 @@ def check_placement(cfg: ShunterConfig, cluster: ClusterView,
     try:
         return plan_cluster(demands, nodes)
     except PlacementError as exc:
-        source = "the config's cluster.node_groups" if cfg.cluster else "the cluster's GPU nodes"
-        raise ConfigError(f"this config does not fit {source}:\n  " + str(exc).replace("\n", "\n  ")) from None
+        if cfg.cluster is None:
+            # The live cluster may be autoscaled (KubeRay adds nodes for pending demands): its nodes now
+            # are not its limit. Say so loudly; `cluster:` in the config makes this an error.
+            log.warning("this config does not fit the GPU nodes the cluster has now; replicas that do not "
+                        "fit wait for the autoscaler to add nodes:\n  %s", str(exc).replace("\n", "\n  "))
+            return None
+        raise ConfigError("this config does not fit the declared cluster (cluster.node_groups):\n  "
+                          + str(exc).replace("\n", "\n  ")) from None
 
 
 def cluster_nodes(cfg: ShunterConfig, cluster: ClusterView) -> list[NodeSpec]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shunter.config import ConfigError
+from shunter.config import ClusterConfig, ConfigError, NodeGroupConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +19,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--nodes", action="append", default=[], metavar="COUNTxGPUS[xTYPE]",
                       help="nodes to plan on, e.g. 2x8xH100 (repeatable); default: the config's cluster:")
     plan.set_defaults(func=run)
+
+
+def _declared(nodes: list) -> ClusterConfig:
+    """--nodes as a `cluster:` section: one group per kind of node, named after it (e.g. h100x8)."""
+    groups: dict[tuple, NodeGroupConfig] = {}
+    for node in nodes:
+        key = (node.gpus, node.accelerator_type)
+        if key in groups:
+            groups[key].count += 1
+        else:
+            name = f"{(node.accelerator_type or 'gpu').lower()}x{node.gpus}".replace("_", "-").replace(".", "-")
+            groups[key] = NodeGroupConfig(name=name, count=1, gpus_per_node=node.gpus,
+                                          accelerator_type=node.accelerator_type)
+    return ClusterConfig(node_groups=list(groups.values()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,13 +46,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     failed = False
     for name, cfg in load_app_configs(args.file):
-        if given:
-            cfg = cfg.model_copy(update={"cluster": None})
+        if given:  # planned as a declared cluster: a misfit is an error, as with `cluster:`
+            cfg = cfg.model_copy(update={"cluster": _declared(given)})
         elif cfg.cluster is None:
             raise SystemExit(f"{args.file}: application {name!r} has no `cluster:` section; describe the nodes "
                              "with --nodes, e.g. --nodes 2x8xH100")
-        view = ClusterView(has_gpus=True, largest_node_cpus=8, gpu_nodes=tuple(given))
-        nodes = cluster_nodes(cfg, view)
+        nodes = cluster_nodes(cfg, ClusterView(has_gpus=True, largest_node_cpus=8))
         view = ClusterView(has_gpus=any(n.gpus for n in nodes),
                            largest_node_cpus=max((n.cpus for n in nodes), default=0) or 8, gpu_nodes=tuple(nodes))
         print(f"# application {name!r} on {len(nodes)} node(s): "
