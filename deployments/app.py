@@ -24,7 +24,15 @@ from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterCon
 from shunter.cpu_cores import cores_per_replica
 from shunter.engine_checks import engine_problems
 from shunter.model_shape import model_shape, parallel_problems
-from shunter.placement import ClusterPlan, EngineLayout, NodeSpec, PlacementError, ReplicaDemand, plan_cluster
+from shunter.placement import (
+    ClusterPlan,
+    NodeSpec,
+    PlacementError,
+    declared_nodes,
+    layout_of,
+    plan_cluster,
+    replica_demands,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -106,7 +114,7 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
                               f"{pp}); give at least one core per rank")
         placement: dict[str, Any] = {"ray_actor_options": {"num_cpus": cores}}
     else:
-        placement = _layout(served).serve_placement()
+        placement = layout_of(served).serve_placement()
     return {
         "deployment": {
             "name": name,
@@ -127,11 +135,6 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
     }
 
 
-def _layout(model: ModelConfig) -> EngineLayout:
-    return EngineLayout(model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size,
-                        model.accelerator_type)
-
-
 def check_placement(cfg: ShunterConfig, cluster: ClusterView,
                     accelerators: dict[str, str] | None = None) -> ClusterPlan | None:
     """Every version's split checked against its model (heads, layers) and engine (dtype, quantization,
@@ -141,14 +144,11 @@ def check_placement(cfg: ShunterConfig, cluster: ClusterView,
     models, no nodes to check against, or the live nodes are too few now)."""
     accelerators = accelerators or {m.name: _accelerator(m, cluster) for m in cfg.models}
     problems: list[str] = []
-    demands: list[ReplicaDemand] = []
     for model in cfg.models:
-        accel = accelerators[model.name]
-        layouts = []
         for version in model.version_names():
             served = model.for_version(version)
             where = f"models[{model.name}]" + (f".versions[{version}]" if model.versioned else "")
-            problems += engine_problems(where, served.engine, accel, model.accelerator_type)
+            problems += engine_problems(where, served.engine, accelerators[model.name], model.accelerator_type)
             shape = model_shape(served.source or "", cfg.model_cache_dir)
             if shape is not None:
                 problems += parallel_problems(where, shape, served.engine.tensor_parallel_size,
@@ -156,12 +156,7 @@ def check_placement(cfg: ShunterConfig, cluster: ClusterView,
             elif served.engine.tensor_parallel_size * served.engine.pipeline_parallel_size > 1:
                 log.warning("%s: no config.json of %s found offline; the engine checks its split at start",
                             where, served.source)
-            layouts.append((version, _layout(served)))
-        if accel == "gpu":
-            # Room for the versions that may run at once (a rollout runs two), the largest first.
-            layouts.sort(key=lambda item: -item[1].devices)
-            demands += [ReplicaDemand(model.name, version, layout, model.most_replicas)
-                        for version, layout in layouts[: model.most_running_versions]]
+    demands = replica_demands(cfg, accelerators)
     if problems:
         raise ConfigError("this config cannot be served:\n  " + "\n  ".join(problems))
     nodes = cluster_nodes(cfg, cluster)
@@ -186,10 +181,7 @@ def check_placement(cfg: ShunterConfig, cluster: ClusterView,
 
 def cluster_nodes(cfg: ShunterConfig, cluster: ClusterView) -> list[NodeSpec]:
     """The nodes placement is planned on: the config's description, else the live GPU nodes."""
-    if cfg.cluster is None:
-        return list(cluster.gpu_nodes)
-    return [NodeSpec(f"{group.name}-{i}", group.gpus_per_node, group.cpus_per_node, group.accelerator_type)
-            for group in cfg.cluster.node_groups for i in range(group.count)]
+    return declared_nodes(cfg.cluster) if cfg.cluster else list(cluster.gpu_nodes)
 
 
 _POLICY_ROUTERS = {

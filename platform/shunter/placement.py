@@ -22,7 +22,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shunter.config import ClusterConfig, ModelConfig, ShunterConfig
 
 # A bundle's share of a node's `accelerator_type:<T>` resource (Ray gives each node 1 of its type): any
 # positive amount pins the bundle to nodes of that type without limiting how many bundles fit.
@@ -142,6 +145,34 @@ class ClusterPlan:
 
     def stages_of(self, model: str) -> list[list[str]]:
         return [r.stage_nodes for r in self.replicas if r.model == model]
+
+
+def layout_of(model: ModelConfig) -> EngineLayout:
+    """The devices one replica of `model` (as one version serves it) needs."""
+    return EngineLayout(model.engine.tensor_parallel_size, model.engine.pipeline_parallel_size,
+                        model.accelerator_type)
+
+
+def replica_demands(cfg: ShunterConfig, accelerators: dict[str, str], least: bool = False) -> list[ReplicaDemand]:
+    """What the GPU models of `cfg` ask of the cluster: for each, the versions that may run at once (a
+    rollout runs two), the largest first, at the most replicas (or, `least`, the fewest it keeps)."""
+    demands = []
+    for model in cfg.models:
+        if accelerators[model.name] != "gpu":
+            continue
+        layouts = sorted(((v, layout_of(model.for_version(v))) for v in model.version_names()),
+                         key=lambda item: -item[1].devices)
+        count = model.most_replicas if not least else (
+            model.autoscaling.min_replicas if model.autoscaling else model.replicas)
+        running = model.most_running_versions if not least else 1
+        demands += [ReplicaDemand(model.name, v, layout, count) for v, layout in layouts[:running] if count]
+    return demands
+
+
+def declared_nodes(cluster: ClusterConfig) -> list[NodeSpec]:
+    """A config's `cluster.node_groups` as nodes, named <group>-<index>."""
+    return [NodeSpec(f"{group.name}-{i}", group.gpus_per_node, group.cpus_per_node, group.accelerator_type)
+            for group in cluster.node_groups for i in range(group.count)]
 
 
 def check_layout(where: str, layout: EngineLayout, nodes: list[NodeSpec]) -> list[str]:
