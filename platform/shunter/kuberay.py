@@ -1,0 +1,197 @@
+"""A KubeRay RayService manifest from a Shunter Serve config (`shunter render kuberay FILE`).
+
+The Serve config goes into `serveConfigV2` unchanged but for what Kubernetes needs (the proxy listens on
+0.0.0.0:8000 on every node, where KubeRay's serve service points). The Ray cluster beside it is sized from
+the models: each GPU worker group is one kind of node (the config's `cluster.node_groups`, or, without
+one, a pod per accelerator type as large as its largest tensor-parallel stage); its maxReplicas are the
+nodes the planner fills with every model at its most replicas (a rollout's two versions included), its
+minReplicas those it fills at the fewest replicas. GPU pods tolerate the GPU taint and select their
+accelerator label; the head does no model work (num-cpus 0). Pure: tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+from shunter.config import ShunterConfig
+from shunter.placement import NodeSpec, ReplicaDemand, declared_nodes, plan_cluster, replica_demands
+
+RAY_VERSION = "2.60.0"
+SERVE_PORT = 8000
+METRICS_PORT = 8080  # Ray's metrics export port; the PodMonitor scrapes the port named `metrics`
+GPU_TAINT_KEY = "nvidia.com/gpu"
+ACCELERATOR_LABEL = "shunter.io/accelerator"  # set on GPU node groups by terraform/modules/eks-gpu-cluster
+DEFAULT_CPU_POD_CORES = 8
+
+
+def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, ShunterConfig]], image: str,
+                      name: str = "shunter", namespace: str | None = None) -> dict[str, Any]:
+    """The RayService for `serve_config` (a whole Serve config file, already validated) and its parsed
+    Shunter apps."""
+    serve = copy.deepcopy(serve_config)
+    serve["proxy_location"] = "EveryNode"
+    serve["http_options"] = {**serve.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
+    groups = _worker_groups([cfg for _, cfg in apps], image)
+    metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/part-of": "shunter"}}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": metadata,
+        "spec": {
+            "serveConfigV2": _yaml(serve),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 600},
+                "headGroupSpec": {
+                    # No engine on the head: it keeps the GCS, the Serve controller and a proxy.
+                    "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
+                                       "metrics-export-port": str(METRICS_PORT)},
+                    "template": _pod(_container("ray-head", image, cpus=4, memory_gib=16, head=True)),
+                },
+                "workerGroupSpecs": groups,
+            },
+        },
+    }
+
+
+def _worker_groups(configs: list[ShunterConfig], image: str) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = []
+    gpu_nodes: list[NodeSpec] = []
+    most: list[ReplicaDemand] = []
+    least: list[ReplicaDemand] = []
+    cpu_pods = {"most": 0, "least": 0, "cores": 0}
+    for cfg in configs:
+        accelerators = {m.name: _accelerator(m.accelerator, cfg) for m in cfg.models}
+        most += replica_demands(cfg, accelerators)
+        least += replica_demands(cfg, accelerators, least=True)
+        if cfg.cluster:
+            gpu_nodes += [n for n in declared_nodes(cfg.cluster) if n.gpus > 0]
+        for model in cfg.models:
+            if accelerators[model.name] == "cpu":
+                cores = model.cpu_cores_per_replica if isinstance(model.cpu_cores_per_replica, int) \
+                    else DEFAULT_CPU_POD_CORES
+                cpu_pods["cores"] = max(cpu_pods["cores"], cores)
+                cpu_pods["most"] += model.most_replicas * model.most_running_versions
+                cpu_pods["least"] += model.autoscaling.min_replicas if model.autoscaling else model.replicas
+    if most:
+        if not gpu_nodes:
+            gpu_nodes = _nodes_per_type(most)
+        used_most = _nodes_used(most, gpu_nodes)
+        used_least = _nodes_used(least, gpu_nodes)
+        for kind, nodes in _kinds(gpu_nodes).items():
+            gpus, accel = kind
+            names = {n.name for n in nodes}
+            groups.append(_gpu_group(accel, gpus, nodes[0].cpus, image,
+                                     least=len(names & used_least), most=len(names & used_most)))
+    if cpu_pods["most"]:
+        groups.append({
+            "groupName": "cpu",
+            "replicas": cpu_pods["least"], "minReplicas": cpu_pods["least"], "maxReplicas": cpu_pods["most"],
+            "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
+            "template": _pod(_container("ray-worker", image, cpus=cpu_pods["cores"], memory_gib=4 * cpu_pods["cores"])),
+        })
+    return groups
+
+
+def _accelerator(accelerator: str, cfg: ShunterConfig) -> str:
+    """`auto` on Kubernetes: GPU when the config plans GPU nodes (or, without a plan, always: a cluster
+    rendered for KubeRay is the GPU cluster)."""
+    if accelerator != "auto":
+        return accelerator
+    if cfg.cluster is None:
+        return "gpu"
+    return "gpu" if any(g.gpus_per_node > 0 for g in cfg.cluster.node_groups) else "cpu"
+
+
+def _nodes_per_type(demands: list[ReplicaDemand]) -> list[NodeSpec]:
+    """Without `cluster:`, one pod kind per accelerator type, as large as its largest stage, and enough
+    of them for every demand."""
+    nodes = []
+    for accel in sorted({d.layout.accelerator_type or "" for d in demands}):
+        mine = [d for d in demands if (d.layout.accelerator_type or "") == accel]
+        gpus = max(d.layout.tensor_parallel for d in mine)
+        count = sum(d.count * d.layout.pipeline_parallel * math.ceil(d.layout.tensor_parallel / gpus) for d in mine)
+        label = accel or "gpu"
+        nodes += [NodeSpec(f"{label.lower()}x{gpus}-{i}", gpus, 0, accel or None) for i in range(count)]
+    return nodes
+
+
+def _nodes_used(demands: list[ReplicaDemand], nodes: list[NodeSpec]) -> set[str]:
+    if not demands:
+        return set()
+    plan = plan_cluster(demands, nodes)
+    return {node for replica in plan.replicas for node in replica.stage_nodes}
+
+
+def _kinds(nodes: list[NodeSpec]) -> dict[tuple[int, str | None], list[NodeSpec]]:
+    kinds: dict[tuple[int, str | None], list[NodeSpec]] = {}
+    for node in nodes:
+        kinds.setdefault((node.gpus, node.accelerator_type), []).append(node)
+    return kinds
+
+
+def _gpu_group(accel: str | None, gpus: int, cpus: int, image: str, least: int, most: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"metrics-export-port": str(METRICS_PORT)}
+    # A pod is a whole node: all its GPUs, its CPUs less two for the kubelet and daemonsets (8 per GPU
+    # when the node is not described), 3 GiB of host memory per CPU (GPU instances have 4 or more).
+    pod_cpus = max(1, cpus - 2) if cpus else 8 * gpus
+    container = _container("ray-worker", image, cpus=pod_cpus, memory_gib=3 * pod_cpus, gpus=gpus)
+    template = _pod(container, tolerations=[{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
+    spec = template["spec"]
+    if accel:
+        # The autoscaler must know a group provides the type before any of its nodes exists (scale from
+        # zero); Ray detects it on real GPUs as well.
+        params["resources"] = json.dumps(json.dumps({f"accelerator_type:{accel}": 1}))  # KubeRay's quoting
+        spec["nodeSelector"] = {ACCELERATOR_LABEL: accel}
+    name = f"gpu-{(accel or 'any').lower()}-x{gpus}".replace("_", "-").replace(".", "-")
+    return {"groupName": name, "replicas": least, "minReplicas": least, "maxReplicas": max(most, least),
+            "rayStartParams": params, "template": template}
+
+
+def _container(name: str, image: str, cpus: int, memory_gib: int, gpus: int = 0, head: bool = False) -> dict[str, Any]:
+    limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{memory_gib}Gi"}
+    if gpus:
+        limits[GPU_TAINT_KEY] = str(gpus)
+    ports = [{"containerPort": METRICS_PORT, "name": "metrics"}]
+    if head:
+        ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+                 {"containerPort": 10001, "name": "client"}, {"containerPort": SERVE_PORT, "name": "serve"}, *ports]
+    return {
+        "name": name, "image": image, "ports": ports,
+        "resources": {"limits": limits, "requests": dict(limits)},
+        # Ray's sessions and vLLM's shared-memory transfers need more than the container default.
+        "volumeMounts": [{"mountPath": "/dev/shm", "name": "dshm"}],
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+
+
+def _pod(container: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {"spec": {"containers": [container], "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                     **spec}}
+
+
+def _yaml(data: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def manifest_yaml(manifest: dict[str, Any]) -> str:
+    """The manifest as YAML, with serveConfigV2 as a block a person can read and diff."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump(manifest, Dumper=Dumper, sort_keys=False)

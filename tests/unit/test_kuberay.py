@@ -1,0 +1,94 @@
+"""`shunter render kuberay`: the RayService validates as Ray Serve's own deploy schema, round-trips to the
+same Shunter config, and sizes its worker groups from the models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from shunter.cli import load_app_configs
+from shunter.cli import main as shunter
+from shunter.config import parse_config
+from shunter.kuberay import render_rayservice
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def _render(path: Path, image: str = "registry.example/shunter:1") -> dict:
+    return render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), image)
+
+
+def _groups(manifest: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_serve_config_v2_is_a_valid_serve_config_with_the_same_shunter_config(path):
+    manifest = _render(path)
+    serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    assert serve["http_options"]["host"] == "0.0.0.0" and serve["http_options"]["port"] == 8000
+    original = yaml.safe_load(path.read_text())
+    for rendered, source in zip(serve["applications"], original["applications"], strict=True):
+        assert rendered["args"] == source["args"]
+        assert parse_config(rendered["args"]) == parse_config(source["args"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_gpu_pods_tolerate_the_gpu_taint_and_the_head_runs_no_engine(path):
+    manifest = _render(path)
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group in cluster["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        gpus = spec["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+        tolerated = any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in spec.get("tolerations", []))
+        assert tolerated == bool(gpus), group["groupName"]
+        assert spec["containers"][0]["image"] == "registry.example/shunter:1"
+        assert group["minReplicas"] <= group["maxReplicas"]
+
+
+def test_the_405b_model_gets_two_whole_h100_nodes():
+    group = _groups(_render(ROOT / "configs" / "gpu-llama-405b-tp8-pp2.yaml"))["gpu-h100-x8"]
+    assert (group["minReplicas"], group["maxReplicas"]) == (2, 2)
+    assert group["template"]["spec"]["nodeSelector"] == {"shunter.io/accelerator": "H100"}
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert '"accelerator_type:H100' in group["rayStartParams"]["resources"], "known before a node exists"
+
+
+def test_an_autoscaled_model_spans_its_min_to_max_nodes():
+    group = _groups(_render(ROOT / "configs" / "gpu-llama-8b.yaml"))["gpu-l4-x1"]
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 4)
+
+
+def test_the_multi_model_config_gets_its_gpu_nodes_and_a_cpu_group_for_embeddings():
+    groups = _groups(_render(ROOT / "configs" / "gpu-multi-model.yaml"))
+    assert (groups["gpu-h100-x8"]["minReplicas"], groups["gpu-h100-x8"]["maxReplicas"]) == (4, 4)
+    assert (groups["cpu"]["minReplicas"], groups["cpu"]["maxReplicas"]) == (2, 2)
+    assert "tolerations" not in groups["cpu"]["template"]["spec"]
+
+
+def test_without_a_cluster_section_pods_are_sized_by_the_largest_stage():
+    raw = {"applications": [{"name": "s", "import_path": "deployments.app:build_app", "route_prefix": "/", "args": {
+        "models": [{"name": "big", "source": "org/big", "accelerator_type": "A100", "replicas": 2,
+                    "engine": {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}},
+                   {"name": "small", "source": "org/small", "accelerator_type": "A100", "replicas": 3}]}}]}
+    manifest = render_rayservice(raw, [("s", parse_config(raw["applications"][0]["args"]))], "img")
+    group = _groups(manifest)["gpu-a100-x4"]
+    # 2 replicas x 2 stages of 4 GPUs = 4 pods; the 3 single-GPU replicas fill one more.
+    assert (group["minReplicas"], group["maxReplicas"]) == (5, 5)
+
+
+def test_the_cli_writes_the_manifest(tmp_path, capsys):
+    out = tmp_path / "rayservice.yaml"
+    assert shunter(["render", "kuberay", str(ROOT / "configs" / "gpu-llama-8b.yaml"), "-o", str(out),
+                    "--image", "img:1", "--namespace", "shunter"]) == 0
+    text = out.read_text()
+    assert text.startswith("# Rendered by `shunter render kuberay")
+    manifest = yaml.safe_load(text)
+    assert manifest["kind"] == "RayService" and manifest["metadata"]["namespace"] == "shunter"
+    assert "serveConfigV2: |" in text, "the Serve config stays readable in the manifest"
