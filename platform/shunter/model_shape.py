@@ -128,13 +128,13 @@ def parallel_problems(where: str, shape: ModelShape, tensor_parallel: int, pipel
     when they divide TP (grouped-query models with fewer KV heads than ranks); each stage needs a layer."""
     problems = []
     heads, kv = shape.attention_heads, shape.kv_heads
+    working = [d for d in _divisors(heads) if kv % d == 0 or d % kv == 0]  # both rules hold
     if heads % tensor_parallel:
         problems.append(f"{where}: tensor_parallel_size {tensor_parallel} does not divide the model's {heads} "
-                        f"attention heads ({shape.origin}); sizes that do: {_divisors(heads)}")
+                        f"attention heads ({shape.origin}); sizes that do: {working}")
     elif kv % tensor_parallel and tensor_parallel % kv:
         problems.append(f"{where}: tensor_parallel_size {tensor_parallel} neither divides nor is a multiple of "
-                        f"the model's {kv} KV heads ({shape.origin}); sizes that work: "
-                        f"{[d for d in _divisors(heads) if kv % d == 0 or d % kv == 0]}")
+                        f"the model's {kv} KV heads ({shape.origin}); sizes that work: {working}")
     if pipeline_parallel > shape.layers:
         problems.append(f"{where}: pipeline_parallel_size {pipeline_parallel} exceeds the model's "
                         f"{shape.layers} layers ({shape.origin}); every stage needs at least one layer")

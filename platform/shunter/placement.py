@@ -47,7 +47,8 @@ class NodeSpec:
     accelerator_type: str | None = None
 
 
-_NODES_PATTERN = re.compile(r"^(?:(?P<count>\d+)x)?(?P<gpus>\d+)(?:x(?P<type>[A-Za-z0-9_.-]+))?$")
+# A type starts with a letter, so "2x8x" is an error rather than one 2-GPU node of type "8x".
+_NODES_PATTERN = re.compile(r"^(?:(?P<count>[1-9]\d*)x)?(?P<gpus>\d+)(?:x(?P<type>[A-Za-z][A-Za-z0-9_.-]*))?$")
 
 
 def parse_nodes(specs: Iterable[str]) -> list[NodeSpec]:
