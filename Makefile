@@ -10,9 +10,11 @@ PYTEST_ARGS ?=
 
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
+# checkov (Terraform's static checks) pins its own dependencies; it gets a virtualenv of its own.
+CHECKOV := $(VENV)/tools/checkov/bin/checkov
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config plan clean
+.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config plan render-kuberay clean
 
 help: ## List the commands
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -38,10 +40,14 @@ models: install ## Prepare the builtin models of CONFIG into the model cache (on
 serve: models ## Serve CONFIG locally on http://127.0.0.1:8000/v1 (serve run; Ctrl-C stops)
 	$(BIN)/serve run $(CONFIG)
 
-test: models ## Run the whole suite: unit, integration, e2e (real Ray Serve + vLLM CPU engines)
+$(CHECKOV):
+	$(PYTHON) -m venv $(VENV)/tools/checkov
+	$(VENV)/tools/checkov/bin/pip install --quiet "checkov==3.3.30"
+
+test: models $(CHECKOV) ## Run the whole suite: unit, integration, e2e (real Ray Serve + vLLM CPU engines)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-unit: install ## Unit tests only (seconds, no Ray, no engine)
+test-unit: install $(CHECKOV) ## Unit tests only (seconds, no Ray, no engine)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: install ## Integration tests only (real local Ray)
@@ -67,6 +73,9 @@ check-config: install ## Validate CONFIG and print the resolved Shunter config
 
 plan: install ## Where CONFIG's replicas' GPUs would go, checked (NODES="2x8xH100" plans on other nodes)
 	$(BIN)/shunter plan $(CONFIG) $(foreach n,$(NODES),--nodes $(n))
+
+render-kuberay: install ## Re-render the RayService Terraform applies (terraform/envs/aws-eks) from configs/gpu-llama-8b.yaml
+	$(BIN)/shunter render kuberay configs/gpu-llama-8b.yaml -o terraform/envs/aws-eks/rayservice.yaml $(if $(IMAGE),--image $(IMAGE))
 
 clean: ## Remove the virtualenv and caches (not the prepared models)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

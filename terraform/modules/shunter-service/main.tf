@@ -1,0 +1,100 @@
+# Shunter's RayService: KubeRay builds the Ray cluster it describes and deploys its Serve config
+# (serveConfigV2). The manifest is rendered from a Shunter config beforehand; Terraform applies it in its
+# own namespace, with every Ray container running var.image (when set) and reading an optional Hugging
+# Face token Secret, so the committed rendering serves any registry's image without re-rendering.
+
+locals {
+  rendered = yamldecode(file(var.rayservice_manifest_path))
+  name     = local.rendered.metadata.name
+  cluster  = local.rendered.spec.rayClusterConfig
+
+  # optional: pods start without the Secret; only gated models need it.
+  token_env_from = [{ secretRef = { name = var.hf_token_secret_name, optional = true } }]
+
+  head_group = merge(local.cluster.headGroupSpec, {
+    template = merge(local.cluster.headGroupSpec.template, {
+      spec = merge(local.cluster.headGroupSpec.template.spec, {
+        containers = [
+          for container in local.cluster.headGroupSpec.template.spec.containers :
+          merge(container, {
+            image   = coalesce(var.image, container.image)
+            envFrom = concat(try(container.envFrom, []), local.token_env_from)
+          })
+        ]
+      })
+    })
+  })
+
+  worker_groups = [
+    for group in try(local.cluster.workerGroupSpecs, []) : merge(group, {
+      template = merge(group.template, {
+        spec = merge(group.template.spec, {
+          containers = [
+            for container in group.template.spec.containers :
+            merge(container, {
+              image   = coalesce(var.image, container.image)
+              envFrom = concat(try(container.envFrom, []), local.token_env_from)
+            })
+          ]
+        })
+      })
+    })
+  ]
+
+  manifest = merge(local.rendered, {
+    metadata = merge(local.rendered.metadata, { namespace = kubernetes_namespace_v1.this.metadata[0].name })
+    spec = merge(local.rendered.spec, {
+      rayClusterConfig = merge(local.cluster, {
+        headGroupSpec    = local.head_group
+        workerGroupSpecs = local.worker_groups
+      })
+    })
+  })
+}
+
+resource "kubernetes_namespace_v1" "this" {
+  metadata {
+    name = var.namespace
+    labels = {
+      "app.kubernetes.io/part-of" = "shunter"
+    }
+  }
+}
+
+resource "kubernetes_secret_v1" "hf_token" {
+  count = var.hf_token == null ? 0 : 1
+
+  metadata {
+    name      = var.hf_token_secret_name
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  data = {
+    HF_TOKEN = var.hf_token
+  }
+}
+
+resource "kubernetes_manifest" "rayservice" {
+  manifest = local.manifest
+
+  # Server-side apply: take over fields someone changed with kubectl rather than fail the apply.
+  field_manager {
+    force_conflicts = true
+  }
+
+  # KubeRay sets Ready once the Serve applications answer through the serve service.
+  wait {
+    condition {
+      type   = "Ready"
+      status = "True"
+    }
+  }
+
+  timeouts {
+    create = var.ready_timeout
+    update = var.ready_timeout
+    delete = "30m"
+  }
+
+  depends_on = [kubernetes_secret_v1.hf_token]
+}

@@ -1,0 +1,31 @@
+output "name" {
+  description = "Name of the RayService."
+  value       = local.name
+}
+
+output "namespace" {
+  description = "Namespace of the RayService."
+  value       = kubernetes_namespace_v1.this.metadata[0].name
+}
+
+output "serve_service_name" {
+  description = "The Service KubeRay keeps pointed at the active Ray cluster's Serve proxies (port 8000)."
+  value       = "${local.name}-serve-svc"
+}
+
+output "serve_service_port" {
+  description = "Port of the Serve endpoint Service."
+  value       = 8000
+}
+
+output "port_forward_command" {
+  description = "Reach the Serve endpoint from this machine on http://127.0.0.1:8000/v1."
+  value       = "kubectl -n ${kubernetes_namespace_v1.this.metadata[0].name} port-forward svc/${local.name}-serve-svc 8000:8000"
+}
+
+output "serve_pod_selector" {
+  description = "Labels of the pods whose Serve proxy is healthy, for a Service of one's own."
+  value = {
+    "ray.io/serve" = "true"
+  }
+}

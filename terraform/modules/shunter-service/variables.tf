@@ -1,0 +1,40 @@
+variable "namespace" {
+  type        = string
+  description = "Namespace created for the RayService; overrides whatever namespace the rendered manifest names."
+  default     = "shunter"
+}
+
+variable "rayservice_manifest_path" {
+  type        = string
+  description = "Path of the RayService manifest rendered by `shunter render kuberay CONFIG -o FILE`."
+
+  validation {
+    condition     = try(yamldecode(file(var.rayservice_manifest_path)).kind, "") == "RayService"
+    error_message = "No RayService manifest at rayservice_manifest_path: render one first (shunter render kuberay configs/gpu-llama-8b.yaml -o FILE --image IMAGE)."
+  }
+}
+
+variable "image" {
+  type        = string
+  default     = null
+  description = "The Ray image with Shunter installed (platform/Dockerfile) for every Ray container; null keeps the rendered manifest's image."
+}
+
+variable "ready_timeout" {
+  type        = string
+  description = "How long an apply waits for the RayService's Ready condition (GPU nodes start and models load first)."
+  default     = "45m"
+}
+
+variable "hf_token" {
+  type        = string
+  description = "Hugging Face token for gated models (Llama): stored in a Secret every Ray container reads as HF_TOKEN. Null: no Secret."
+  default     = null
+  sensitive   = true
+}
+
+variable "hf_token_secret_name" {
+  type        = string
+  description = "Name of the Secret holding HF_TOKEN. The containers read it when it exists, created here or by hand."
+  default     = "hf-token"
+}
