@@ -111,44 +111,13 @@ module "shunter" {
   namespace                = var.shunter_namespace
   rayservice_manifest_path = local.rayservice_manifest_path
   image                    = var.shunter_image
+  public_endpoint          = true
+  public_source_ranges     = var.public_access_cidrs
   hf_token                 = var.hf_token
   ready_timeout            = var.rayservice_ready_timeout
 
   # The RayService CRD comes with the operator; GPU workers need the device plugin and node autoscaling.
   depends_on = [module.kuberay_operator, module.nvidia_device_plugin, module.cluster_autoscaler]
-}
-
-# The public endpoint. KubeRay labels ray.io/serve=true the pods whose Serve proxy is healthy; the Ray
-# cluster's own name (ray.io/cluster) changes with every cluster upgrade, so it is not selected on.
-resource "kubernetes_service_v1" "shunter_public" {
-  metadata {
-    name      = "shunter-public"
-    namespace = module.shunter.namespace
-    labels = {
-      "app.kubernetes.io/part-of" = "shunter"
-    }
-    annotations = {
-      # An NLB: its 350 s idle timeout outlasts long non-streamed generations (a classic ELB cuts at 60 s).
-      "service.beta.kubernetes.io/aws-load-balancer-type" = "nlb"
-    }
-  }
-
-  spec {
-    type                        = "LoadBalancer"
-    load_balancer_source_ranges = var.public_access_cidrs
-    selector = {
-      "ray.io/serve" = "true"
-    }
-
-    port {
-      name        = "http"
-      protocol    = "TCP"
-      port        = 80
-      target_port = module.shunter.serve_service_port
-    }
-  }
-
-  wait_for_load_balancer = true
 }
 
 data "kubernetes_service_v1" "grafana" {

@@ -1,6 +1,6 @@
 output "shunter_endpoint" {
-  description = "Base URL of Shunter's OpenAI-compatible API (append /v1). Null until the load balancer has a hostname."
-  value       = try("http://${kubernetes_service_v1.shunter_public.status[0].load_balancer[0].ingress[0].hostname}", null)
+  description = "Base URL of Shunter's OpenAI-compatible API (append /v1). Null until the load balancer has a hostname: apply again."
+  value       = module.shunter.serve_service_hostname == null ? null : "http://${module.shunter.serve_service_hostname}:8000"
 }
 
 output "grafana_url" {

@@ -41,9 +41,29 @@ locals {
     })
   ]
 
+  # KubeRay's own serve Service, as a load balancer: KubeRay points it at a new Ray cluster only once that
+  # cluster's Serve apps are healthy, so an upgrade never routes requests early (a Service of our own
+  # selecting ray.io/serve=true would).
+  public_serve_service = {
+    serveService = {
+      metadata = {
+        name = "${local.name}-serve-svc"
+        annotations = {
+          # An NLB: its 350 s idle timeout outlasts long non-streamed generations (a classic ELB cuts at 60 s).
+          "service.beta.kubernetes.io/aws-load-balancer-type" = "nlb"
+        }
+      }
+      spec = {
+        type                     = "LoadBalancer"
+        loadBalancerSourceRanges = var.public_source_ranges
+        ports                    = [{ name = "serve", port = 8000, targetPort = 8000, protocol = "TCP" }]
+      }
+    }
+  }
+
   manifest = merge(local.rendered, {
     metadata = merge(local.rendered.metadata, { namespace = kubernetes_namespace_v1.this.metadata[0].name })
-    spec = merge(local.rendered.spec, {
+    spec = merge(local.rendered.spec, var.public_endpoint ? local.public_serve_service : {}, {
       rayClusterConfig = merge(local.cluster, {
         headGroupSpec    = local.head_group
         workerGroupSpecs = local.worker_groups
@@ -97,4 +117,16 @@ resource "kubernetes_manifest" "rayservice" {
   }
 
   depends_on = [kubernetes_secret_v1.hf_token]
+}
+
+# Read back after the RayService is Ready: KubeRay creates the serve Service, AWS its load balancer.
+data "kubernetes_service_v1" "serve" {
+  count = var.public_endpoint ? 1 : 0
+
+  metadata {
+    name      = "${local.name}-serve-svc"
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  depends_on = [kubernetes_manifest.rayservice]
 }

@@ -23,9 +23,7 @@ output "port_forward_command" {
   value       = "kubectl -n ${kubernetes_namespace_v1.this.metadata[0].name} port-forward svc/${local.name}-serve-svc 8000:8000"
 }
 
-output "serve_pod_selector" {
-  description = "Labels of the pods whose Serve proxy is healthy, for a Service of one's own."
-  value = {
-    "ray.io/serve" = "true"
-  }
+output "serve_service_hostname" {
+  description = "The load balancer hostname of the serve Service (public_endpoint), once AWS has assigned it; else null."
+  value       = try(data.kubernetes_service_v1.serve[0].status[0].load_balancer[0].ingress[0].hostname, null)
 }

@@ -38,3 +38,15 @@ variable "hf_token_secret_name" {
   description = "Name of the Secret holding HF_TOKEN. The containers read it when it exists, created here or by hand."
   default     = "hf-token"
 }
+
+variable "public_endpoint" {
+  type        = bool
+  default     = false
+  description = "Make KubeRay's serve Service (port 8000) an AWS network load balancer reachable from public_source_ranges."
+}
+
+variable "public_source_ranges" {
+  type        = list(string)
+  default     = []
+  description = "CIDR ranges allowed to reach the public endpoint (the API has no authentication of its own)."
+}
