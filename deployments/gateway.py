@@ -27,6 +27,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.access import AccessControl
+from deployments.openai_schema import (
+    BEARER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    add_components,
+    request_body,
+)
 from deployments.telemetry import (
     STREAM_ERROR,
     RequestTelemetry,
@@ -42,8 +51,8 @@ from routing.failover import ReplicaFailure, with_failover
 from routing.state import DeploymentRouting, deployment_key, routing_state
 from routing.versions import choose_version
 from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
-from shunter.errors import error_body
-from shunter.replica_protocol import Accepted, ReplicaRequest
+from shunter.errors import ApiError, error_body
+from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -59,6 +68,20 @@ SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the sam
 app = FastAPI(title="Shunter", description="OpenAI-compatible multi-model gateway", docs_url=None, redoc_url=None)
 
 
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request bodies the routes read themselves, and the bearer scheme."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        app.openapi_schema = add_components(get_openapi(title=app.title, version="1", description=app.description,
+                                                        routes=app.routes))
+    return app.openapi_schema
+
+
+app.openapi = _openapi  # type: ignore[method-assign]
+_KEYED = {"security": [{BEARER: []}]}
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | int | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param=param, code=code), status_code=status, headers=headers)
@@ -67,6 +90,11 @@ def _error(status: int, message: str, param: str | None = None, code: str | int 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -139,9 +167,11 @@ class _RelayEnd:
         self.done = False
         drains.opened(self.replica)
 
-    def close(self, finished: bool = False, aborted: bool = False, ok: bool | None = None) -> None:
+    def close(self, finished: bool = False, aborted: bool = False, ok: bool | None = None,
+              cut: bool = False) -> None:
         """`ok`: whether the stream was served whole (True) or broke (False); None when neither says
-        anything about the version (the client left, the platform drained the replica)."""
+        anything about the version (the client left, the platform drained the replica, a limit cut it:
+        `cut`)."""
         if self.done:
             return
         self.done = True
@@ -155,7 +185,7 @@ class _RelayEnd:
             self.on_outcome(ok)
         if self.tel is not None:
             # 499: the client closed the connection first (nginx's name for it).
-            self.tel.finish(200 if ok else STREAM_ERROR if (ok is False or aborted) else 499)
+            self.tel.finish(200 if ok else STREAM_ERROR if (ok is False or aborted or cut) else 499)
 
     def __del__(self) -> None:
         self.close()
@@ -173,6 +203,15 @@ class _QueueTimeout(Exception):
 
 class _DrainTimeout(Exception):
     """The replica left (scale-down, update, shutdown) and the request ran past the drain timeout."""
+
+
+class _RequestDeadline(Exception):
+    """The request ran past gateway.limits.request_timeout_s."""
+
+
+class _StreamIdle(Exception):
+    """The stream sent nothing for gateway.limits.stream_idle_timeout_s (shorter than the model's
+    replica_timeout_s, which would count as the replica's failure)."""
 
 
 class _AllReplicasOut(Exception):
@@ -205,6 +244,9 @@ class Gateway:
     def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
         """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
         self.config = ShunterConfig.model_validate(config)
+        self.access = AccessControl(self.config)  # reads the keys: a key that cannot be read stops us here
+        limits = self.config.gateway.limits
+        self.replica_limits = RequestLimits(max_tokens=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens)
         setup_tracing(self.config.observability.tracing, "gateway")
         correlate_logs()
         self.servers = model_servers
@@ -264,20 +306,20 @@ class Gateway:
 
     # ---- OpenAI API -----------------------------------------------------------------------------
 
-    @app.get("/v1/models")
-    async def list_models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                self._model_card(m) for m in self.config.models
-            ],
-        }
+    @app.get("/v1/models", openapi_extra=_KEYED)
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        """The models the caller's key may use."""
+        caller = self.access.client(request.headers)
+        return {"object": "list",
+                "data": [self._model_card(m) for m in self.config.models if caller.may_use(m.name)]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(self, model_id: str) -> Response:
+    @app.get("/v1/models/{model_id:path}", openapi_extra=_KEYED)
+    async def get_model(self, model_id: str, request: Request) -> Response:
+        caller = self.access.client(request.headers)
         model = self.config.find_model(model_id)
         if model is None:
             return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        self.access.check_model(caller, model.name)
         return JSONResponse(self._model_card(model))
 
     def _model_card(self, model: ModelConfig) -> dict[str, Any]:
@@ -287,40 +329,45 @@ class Gateway:
             card["versions"] = [{"name": v, "weight": w} for v, w in self.traffic.view(model).weights]
         return card
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._forward(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._forward(request, "completion")
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         return await self._forward(request, "embedding")
 
-    # ---- admin API: rollouts and live weights (to be protected by admin keys, issue 10) ---------------
+    # ---- admin API: rollouts and live weights (an admin key when keys are configured) -----------------
 
     @app.get("/admin/rollouts")
-    async def list_rollouts(self) -> dict[str, Any]:
+    async def list_rollouts(self, request: Request) -> dict[str, Any]:
         """Every versioned model: its live weights and its latest rollout."""
+        self.access.admin(request.headers)
         await self.traffic.refresh_now()
         return {"models": [self._rollout_status(m) for m in self.config.models if m.versioned]}
 
     @app.post("/admin/rollouts/{model_id:path}/pause")
-    async def pause_rollout(self, model_id: str) -> Response:
+    async def pause_rollout(self, model_id: str, request: Request) -> Response:
+        self.access.admin(request.headers)
         return await self._control_call(model_id, "pause")
 
     @app.post("/admin/rollouts/{model_id:path}/resume")
-    async def resume_rollout(self, model_id: str) -> Response:
+    async def resume_rollout(self, model_id: str, request: Request) -> Response:
+        self.access.admin(request.headers)
         return await self._control_call(model_id, "resume")
 
     @app.post("/admin/rollouts/{model_id:path}/rollback")
-    async def rollback_rollout(self, model_id: str) -> Response:
+    async def rollback_rollout(self, model_id: str, request: Request) -> Response:
+        self.access.admin(request.headers)
         return await self._control_call(model_id, "rollback")
 
     @app.get("/admin/rollouts/{model_id:path}")
-    async def get_rollout(self, model_id: str) -> Response:
+    async def get_rollout(self, model_id: str, request: Request) -> Response:
+        self.access.admin(request.headers)
         model = self.config.find_model(model_id)
         if model is None:
             return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -331,6 +378,7 @@ class Gateway:
     async def start_rollout(self, model_id: str, request: Request) -> Response:
         """Body: {"to": VERSION} plus any of the model's `rollout` settings to use for this rollout only
         (steps, hold_s, max_hold_s, ready_timeout_s, gates)."""
+        self.access.admin(request.headers)
         try:
             body = await self._read_json(request)
         except BadRequest as bad:
@@ -344,6 +392,7 @@ class Gateway:
     async def set_weights(self, model_id: str, request: Request) -> Response:
         """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
         retired. Refused while a rollout of the model is in progress."""
+        self.access.admin(request.headers)
         try:
             body = await self._read_json(request)
         except BadRequest as bad:
@@ -401,16 +450,33 @@ class Gateway:
     # ---- forwarding -----------------------------------------------------------------------------
 
     async def _forward(self, request: Request, endpoint: str) -> Response:
+        caller = self.access.client(request.headers)  # before the body is read: strangers cost nothing
         try:
             body = await self._read_json(request)
             model = self._resolve_model(body, endpoint)
         except BadRequest as bad:
             return bad.response
+        self.access.check_model(caller, model.name)
+        self.access.check_limits(endpoint, body)
         body["model"] = model.name  # the engine knows the canonical name only
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), wants_usage_chunk(body),
                                log_prompt=self._prompt_for_logs(body))
+        try:
+            ticket = self.access.admit(caller, model.name, endpoint, body)
+        except ApiError as refused:
+            tel.finish(refused.status)
+            raise
+        tel.on_finish.append(ticket.settle)
+        timeout = self.config.gateway.limits.request_timeout_s
         with tel.use():
-            response = await self._admit(request, model, endpoint, body, tel)
+            try:
+                response = await asyncio.wait_for(self._admit(request, model, endpoint, body, tel), timeout)
+            except asyncio.TimeoutError:
+                log.warning("model %s request %s: no reply within the request timeout of %gs", model.name,
+                            tel.request_id, timeout)
+                response = _error(504, f"the request to model {model.name!r} did not finish within the request "
+                                  f"timeout of {timeout:g}s", code="request_timeout")
+        response.headers.update(ticket.headers)
         if not isinstance(response, StreamingResponse):  # a stream finishes when its relay ends
             tel.finish(response.status_code)
         return response
@@ -521,7 +587,7 @@ class Gateway:
             try:
                 return await self._attempt(model, version, routing, tel,
                                            ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
-                                                          body=body, trace=carrier))
+                                                          body=body, trace=carrier, limits=self.replica_limits))
             except BaseException as exc:
                 tel.attempt_failed(type(exc).__name__)
                 routing.finished(request_id)  # Ray does not always report a failed or cancelled call
@@ -601,11 +667,15 @@ class Gateway:
             _cancel(stream)
             raise
 
-    async def _next(self, stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str) -> Any:
-        """The replica's next item. Raises asyncio.TimeoutError after `replica_timeout_s` of silence, and
-        _DrainTimeout once the replica has left the running set for longer than the drain timeout (checked
-        every second, so a replica that leaves mid-wait is noticed)."""
-        silent_until = time.monotonic() + model.routing.replica_timeout_s
+    async def _next(self, stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str,
+                    deadline: float = math.inf, idle_s: float = math.inf) -> Any:
+        """The replica's next item. Raises asyncio.TimeoutError after `replica_timeout_s` of silence (the
+        replica's failure), _StreamIdle after `idle_s` when that is shorter (the client's limit),
+        _RequestDeadline at `deadline`, and _DrainTimeout once the replica has left the running set for
+        longer than the drain timeout (checked every second, so a replica that leaves mid-wait is
+        noticed)."""
+        silence = model.routing.replica_timeout_s
+        silent_until = time.monotonic() + min(silence, idle_s)
         pending = asyncio.ensure_future(stream.__anext__())
         try:
             while True:
@@ -614,9 +684,12 @@ class Gateway:
                 drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
                 if now >= drain_until:
                     raise _DrainTimeout()
+                if now >= deadline:
+                    raise _RequestDeadline()
                 if now >= silent_until:
-                    raise asyncio.TimeoutError()
-                done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, now + 1.0) - now)
+                    raise _StreamIdle() if idle_s < silence else asyncio.TimeoutError()
+                done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, deadline,
+                                                                    now + 1.0) - now)
                 if done:
                     return pending.result()
         finally:
@@ -628,15 +701,17 @@ class Gateway:
         """SSE chunks from the replica to the client. A client that goes away cancels the replica's work;
         a replica that breaks or goes silent mid-stream ends the stream with an explicit error event, and
         so does a stream still running when its leaving replica's drain timeout is up."""
-        finished = aborted = False
-        ok: bool | None = None  # served whole / broke; None: the client left or the platform drained it
+        finished = aborted = cut = False
+        ok: bool | None = None  # served whole / broke; None: the client left, the platform drained or cut it
         stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
+        limits = self.config.gateway.limits
+        deadline = (end.tel.began if end.tel is not None else time.monotonic()) + limits.request_timeout_s
         try:
             if started.first_chunk is not None:
                 yield started.first_chunk
             while True:
                 try:
-                    chunk = await self._next(stream, model, routing, replica)
+                    chunk = await self._next(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
                 except StopAsyncIteration:
                     break
                 if end.tel is not None:
@@ -656,6 +731,17 @@ class Gateway:
                              503, code="replica_drain_timeout")
             yield f"data: {json.dumps(err)}\n\n"
             finished = True
+        except (_RequestDeadline, _StreamIdle) as exc:
+            cut = True
+            _cancel(stream)
+            if isinstance(exc, _RequestDeadline):
+                code, why = "request_timeout", f"ran past the request timeout of {limits.request_timeout_s:g}s"
+            else:
+                code, why = "stream_idle_timeout", f"sent nothing for {limits.stream_idle_timeout_s:g}s"
+            log.warning("model %s: stream from replica %s %s; ended", model.name, replica, why)
+            err = error_body(f"the stream from model {model.name!r} {why}", 504, code=code)
+            yield f"data: {json.dumps(err)}\n\n"
+            finished = True
         except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
             why = f"sent nothing for {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
             log.warning("model %s: stream from replica %s broke mid-way: %s", model.name, replica, why)
@@ -666,7 +752,7 @@ class Gateway:
             yield f"data: {json.dumps(err)}\n\n"
             finished = True
         finally:
-            end.close(finished, aborted, ok)
+            end.close(finished, aborted, ok, cut)
 
     def _all_replicas_out(self, model: ModelConfig, routing: DeploymentRouting) -> JSONResponse:
         ops_metrics.rejection(model.name, "replicas_unavailable")

@@ -28,6 +28,7 @@ from ray import serve
 from deployments.replica_telemetry import EngineMetrics, traced
 from ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
+from shunter.errors import error_body
 from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
 from shunter.tracing import correlate_logs, setup_tracing
 
@@ -102,11 +103,34 @@ class ModelServer:
 
     async def _serve(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         yield Accepted(self.replica_id)
-        reply = await getattr(self.engine, request.endpoint)(request.body)
+        body, refusal = await self._within_limits(request)
+        if refusal is not None:
+            yield {"status": 400, "body": refusal, "stream": False}
+            return
+        reply = await getattr(self.engine, request.endpoint)(body)
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
             async for chunk in reply.stream:
                 yield chunk
+
+    async def _within_limits(self, request: ReplicaRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The body to run, with the default max_tokens filled in; or a 400 body for a prompt past the
+        limit. Only the replica knows the context length and has the tokenizer."""
+        body, limits = request.body, request.limits
+        # Chat only: a completion that names no max_tokens gets OpenAI's (and vLLM's) default of 16.
+        if request.endpoint == "chat" and limits.max_tokens is not None \
+                and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            # vLLM refuses max_tokens past the context length and trims it to what the prompt leaves.
+            body = {**body, "max_tokens": min(limits.max_tokens, self.engine.max_model_len())}
+        if limits.max_prompt_tokens is not None:
+            count = getattr(self.engine, "count_prompt_tokens", None)
+            tokens = await asyncio.to_thread(count, request.endpoint, body) if count else None
+            if tokens is not None and tokens > limits.max_prompt_tokens:
+                param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
+                return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "
+                                        f"{limits.max_prompt_tokens} prompt tokens per request", 400,
+                                        param=param, code="prompt_too_long")
+        return body, None
 
     async def ready(self, route: RouteHint | None = None) -> dict[str, Any]:
         """Answered only by a constructed replica, i.e. one that has served a real request."""

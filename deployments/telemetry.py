@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -37,21 +38,12 @@ STREAM_ERROR = "stream_error"
 _NAMES = ("shunter_requests_total", "shunter_time_to_first_token_seconds", "shunter_inter_token_latency_seconds",
           "shunter_e2e_request_latency_seconds", "shunter_prompt_tokens_total", "shunter_completion_tokens_total",
           "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable")
-_get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
+_record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
 _OPERATION = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings"}
 
 # This process's gauges, as counts: Ray gauges are set, not incremented.
 _in_flight: Counter[tuple[str, str]] = Counter()
 _queued: Counter[str] = Counter()
-
-
-def _record(fn: Any) -> None:
-    try:
-        m = _get()
-        if m:
-            fn(m)
-    except Exception:  # noqa: BLE001 - metrics never break a request
-        log.debug("metrics recording failed", exc_info=True)
 
 
 def replicas_routable(model: str, version: str, count: int) -> None:
@@ -99,6 +91,8 @@ class RequestTelemetry:
         if log_prompt is not None:
             self.span.set_attribute("shunter.prompt", log_prompt[:4096])
         self._route_span: trace.Span | None = None
+        # Called once at the end with (status, prompt tokens, completion tokens): the caller's quota.
+        self.on_finish: list[Callable[[int | str, int, int], None]] = []
 
     @property
     def trace_id(self) -> str | None:
@@ -205,6 +199,11 @@ class RequestTelemetry:
                 m["shunter_completion_tokens_total"].inc(self.completion_tokens, tags=tags)
 
         _record(record)
+        for callback in self.on_finish:
+            try:
+                callback(status, self.prompt_tokens, self.completion_tokens)
+            except Exception:  # noqa: BLE001 - bookkeeping never breaks a request
+                log.warning("request %s: end-of-request callback failed", self.request_id, exc_info=True)
         try:
             self.span.set_attributes({"http.response.status_code": status, "shunter.version": self.version,
                                       "gen_ai.usage.input_tokens": self.prompt_tokens,

@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     models.add_parser("list", help="list the builtin models").set_defaults(func=_models_list)
     models.add_parser("pip-names", help="wheels that carry the builtin models").set_defaults(func=_models_pip_names)
 
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
+    keys.add_parser("new", help="print a new random API key and its public id").set_defaults(func=_keys_new)
+    keys.add_parser("id", help="print the public id (logs, metrics) of the key read from standard input") \
+        .set_defaults(func=_keys_id)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
@@ -139,9 +144,17 @@ def load_app_configs(path: Path) -> list[tuple[str, Any]]:
             continue
         name = app.get("name", f"applications[{index}]")
         try:
-            found.append((name, parse_config(app.get("args"))))
+            cfg = parse_config(app.get("args"))
         except ConfigError as exc:
             raise SystemExit(f"{path}: application {name!r} (applications[{index}].args): {exc}") from None
+        env_vars = (app.get("runtime_env") or {}).get("env_vars") or {}
+        in_file = sorted({k.key_env for k in [*cfg.auth.keys, *cfg.auth.admin_keys] if k.key_env in env_vars})
+        if in_file:
+            raise SystemExit(f"{path}: application {name!r}: runtime_env.env_vars sets {', '.join(in_file)}, an API "
+                             "key: that writes the key into the config file and, in plain text, into Ray's "
+                             "runtime-env agent log. Give the key to the Ray processes' environment (the shell of "
+                             "`ray start`, a pod env from a Kubernetes Secret) or use `key_file`.")
+        found.append((name, cfg))
     if not found:
         raise SystemExit(f"{path}: no application uses import_path {APP_IMPORT_PATH!r}")
     return found
@@ -171,6 +184,25 @@ def _render_kuberay(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}")
     else:
         print(text, end="")
+    return 0
+
+
+def _keys_new(args: argparse.Namespace) -> int:
+    from shunter.auth import key_id, new_key
+
+    key = new_key()
+    print(key)
+    print(f"id: {key_id(key)}  (store the key in a secret; the config names its variable or file)", file=sys.stderr)
+    return 0
+
+
+def _keys_id(args: argparse.Namespace) -> int:
+    from shunter.auth import key_id
+
+    key = sys.stdin.read().strip()
+    if not key:
+        raise SystemExit("give the key on standard input, e.g. `shunter keys id < key-file`")
+    print(key_id(key))
     return 0
 
 

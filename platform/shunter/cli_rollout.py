@@ -57,7 +57,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _client(url: str) -> Any:
     import httpx
 
-    return httpx.Client(base_url=url.rstrip("/"), timeout=30)
+    # With keys configured, /admin needs an admin key; it comes from the environment, never a flag (flags
+    # end up in shell history and process lists).
+    key = os.environ.get("SHUNTER_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=url.rstrip("/"), timeout=30, headers=headers)
 
 
 def _call(url: str, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -566,6 +566,36 @@ class ModelConfig(StrictModel):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class LimitsConfig(StrictModel):
+    """What one request may ask for. Every limit answers a clear 400 (413 for the body) before any
+    engine works on the request, except the two timeouts, which end a request that runs too long."""
+
+    max_messages: int = Field(default=256, ge=1, description="Most `messages` in one chat request.")
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Most prompt tokens one request may send, counted by the model's own tokenizer in the "
+        "replica. null = the model's context length is the only limit.",
+    )
+    max_tokens: int = Field(
+        default=4096, ge=1,
+        description="Most tokens one request may generate: asking more (`max_tokens`, "
+        "`max_completion_tokens`) is a 400; a request that does not say gets this many at most (never more "
+        "than the model's context).",
+    )
+    max_n: int = Field(default=8, ge=1, description="Most choices (`n`, `best_of`) one request may ask for.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="Longest a request may take, queueing included: a reply not finished by then is a 504 "
+        "`request_timeout`; a stream still running ends with a `request_timeout` error event.",
+    )
+    stream_idle_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Longest a stream may send the client nothing once it has started; then it ends with a "
+        "`stream_idle_timeout` error event. (A replica silent for its model's `routing.replica_timeout_s` "
+        "is also a replica failure; this limit is the client's promise, whichever comes first.)",
+    )
+
+
 class GatewayConfig(StrictModel):
     """The HTTP front door: limits that hold before a request reaches any engine."""
 
@@ -588,6 +618,7 @@ class GatewayConfig(StrictModel):
     ready_timeout_s: float = Field(
         default=5.0, gt=0, description="How long GET /ready waits for each model's replica to answer."
     )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="What one request may ask for.")
 
 
 class TracingConfig(StrictModel):
@@ -661,6 +692,94 @@ class ClusterConfig(StrictModel):
         return self
 
 
+KEY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+_INLINE_KEY_FIELDS = ("key", "api_key", "secret", "token", "value")
+
+
+class KeySourceConfig(StrictModel):
+    """Where one key is read from when the gateway starts: an environment variable or a file (a mounted
+    Kubernetes Secret, a Docker secret). Never the key itself: config files get committed."""
+
+    name: str = Field(
+        pattern=KEY_NAME_PATTERN,
+        description="The key's name: who holds it (team-search, ci). Shown in logs and metrics beside the "
+        "key's hashed id; never the key.",
+    )
+    key_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable of the gateway's process that holds the key.",
+    )
+    key_file: str | None = Field(
+        default=None, description="File that holds the key (surrounding whitespace is ignored)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_key(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for field in _INLINE_KEY_FIELDS:
+                if field in data:
+                    raise ValueError(
+                        f"`{field}:` would put a key in the config file; keys are never written in a config "
+                        "(config files get committed). Put the key in an environment variable and name it "
+                        "with `key_env:`, or in a file named with `key_file:`")
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeySourceConfig:
+        if (self.key_env is None) == (self.key_file is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of `key_env` (an environment variable) or "
+                             "`key_file` (a file) to read the key from")
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the key comes from, for messages (never the key)."""
+        return f"${self.key_env}" if self.key_env else f"file {self.key_file}"
+
+
+class ApiKeyConfig(KeySourceConfig):
+    """One client key: which models it may use and its budget."""
+
+    models: list[str] = Field(
+        default_factory=list,
+        description="Models (names or aliases) this key may use; empty = every model. /v1/models lists only "
+        "these to the key; others answer 403.",
+    )
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="Requests per minute this key may send; null = unlimited."
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1,
+        description="Prompt plus completion tokens per minute; null = unlimited. A request reserves its "
+        "prompt estimate plus its max_tokens and is settled at its real usage when it ends.",
+    )
+
+
+class AuthConfig(StrictModel):
+    """Who may call the platform. With any key configured, every /v1 endpoint needs `Authorization: Bearer
+    <key>` and /admin needs an admin key; with none, the API is open (and the gateway says so loudly)."""
+
+    keys: list[ApiKeyConfig] = Field(default_factory=list, description="Client keys for /v1/*.")
+    admin_keys: list[KeySourceConfig] = Field(
+        default_factory=list,
+        description="Keys for /admin/* (rollouts, weights). Client keys never open /admin; with client keys "
+        "but no admin key, /admin is closed to everyone.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys or self.admin_keys)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> AuthConfig:
+        names = [k.name for k in [*self.keys, *self.admin_keys]]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"key names repeat: {repeated}; every key (client and admin) needs its own name")
+        return self
+
+
 class ShunterConfig(StrictModel):
     """The application's `args`: the models to serve and how the gateway fronts them."""
 
@@ -671,6 +790,9 @@ class ShunterConfig(StrictModel):
     )
     cluster: ClusterConfig | None = Field(
         default=None, description="The GPU nodes the app is planned for (see shunter plan). null = the live cluster."
+    )
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig, description="API keys, admin keys and per-key quotas (default: open, loudly)."
     )
     model_cache_dir: str | None = Field(
         default=None,
@@ -689,6 +811,11 @@ class ShunterConfig(StrictModel):
                         "every name and alias must be unique"
                     )
                 seen[name] = model.name
+        for key in self.auth.keys:
+            unknown = [m for m in key.models if self.find_model(m) is None]
+            if unknown:
+                raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models or aliases; "
+                                 f"served: {[m.name for m in self.models]}")
         return self
 
     def find_model(self, name: str) -> ModelConfig | None:
@@ -731,7 +858,8 @@ def format_config_error(exc: ValidationError, root: type[BaseModel]) -> str:
         else:
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
-            shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+            secret = any(part in ("key_env", "key_file") for part in err["loc"])  # a misplaced key, maybe
+            shown = "" if isinstance(got, dict | list) or secret else f" (got {got!r})"
             lines.append(f"  {loc or '(top level)'}: {msg}{shown}")
     return "\n".join(lines)
 

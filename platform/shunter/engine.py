@@ -273,6 +273,27 @@ class VLLMEngine:
         """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""
         return int(self._engine.get_num_unfinished_requests())
 
+    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
+        """Prompt tokens of a request by the model's tokenizer (chat: with its chat template); for a
+        batch of prompts, the longest. None when the body is not a shape this can count: vLLM's own
+        validation answers those."""
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None:
+            return None
+        try:
+            if endpoint == "chat":
+                ids = tokenizer.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                return len(ids)
+            prompts = body.get("prompt" if endpoint == "completion" else "input")
+            if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+                prompts = [prompts]
+            if not isinstance(prompts, list):
+                return None
+            return max((len(p) if isinstance(p, list) else len(tokenizer.encode(p)) for p in prompts), default=0)
+        except Exception:  # noqa: BLE001 - a malformed prompt: the engine's validation says what is wrong
+            return None
+
     def max_model_len(self) -> int:
         return int(self._engine.model_config.max_model_len)
 

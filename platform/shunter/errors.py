@@ -60,3 +60,17 @@ def validation_error_body(exc: ValidationError) -> dict[str, Any]:
 def _is_union_tag(part: Any) -> bool:
     # pydantic names union branches in locations ("str", "list[int]", "function-after[...]"); they only add noise.
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict", "list"})
+
+
+class ApiError(Exception):
+    """A refusal with its OpenAI-shaped answer, raised where the reason is found and rendered once by
+    the gateway: status, message, and the optional param, code and headers."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, param=self.param, code=self.code)

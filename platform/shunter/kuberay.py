@@ -25,6 +25,9 @@ METRICS_PORT = 8080  # Ray's metrics export port; the PodMonitor scrapes the por
 GPU_TAINT_KEY = "nvidia.com/gpu"
 ACCELERATOR_LABEL = "shunter.io/accelerator"  # set on GPU node groups by terraform/modules/eks-gpu-cluster
 DEFAULT_CPU_POD_CORES = 8
+# Every Ray container reads this Secret's entries as environment variables (entry name = variable name),
+# so a config's `key_env` keys come from it; created by terraform/modules/shunter-service or kubectl.
+API_KEYS_SECRET = "shunter-api-keys"
 
 
 def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, ShunterConfig]], image: str,
@@ -35,6 +38,17 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
     serve["proxy_location"] = "EveryNode"
     serve["http_options"] = {**serve.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
     groups = _worker_groups([cfg for _, cfg in apps], image)
+    if any(k.key_env for _, cfg in apps for k in [*cfg.auth.keys, *cfg.auth.admin_keys]):
+        # The gateway may run on any node: every container gets the keys. Not optional: a missing Secret
+        # holds the pods back with a clear event rather than starting an open gateway.
+        for container in _containers(groups):
+            container["envFrom"] = [{"secretRef": {"name": API_KEYS_SECRET}}]
+        head_env = [{"secretRef": {"name": API_KEYS_SECRET}}]
+    else:
+        head_env = None
+    head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
+    if head_env:
+        head["envFrom"] = head_env
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/part-of": "shunter"}}
     if namespace:
         metadata["namespace"] = namespace
@@ -52,7 +66,7 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
                     # No engine on the head: it keeps the GCS, the Serve controller and a proxy.
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
                                        "metrics-export-port": str(METRICS_PORT)},
-                    "template": _pod(_container("ray-head", image, cpus=4, memory_gib=16, head=True)),
+                    "template": _pod(head),
                 },
                 "workerGroupSpecs": groups,
             },
@@ -97,6 +111,10 @@ def _worker_groups(configs: list[ShunterConfig], image: str) -> list[dict[str, A
             "template": _pod(_container("ray-worker", image, cpus=cpu_pods["cores"], memory_gib=4 * cpu_pods["cores"])),
         })
     return groups
+
+
+def _containers(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for group in groups for c in group["template"]["spec"]["containers"]]
 
 
 def _accelerator(accelerator: str, cfg: ShunterConfig) -> str:

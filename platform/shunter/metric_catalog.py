@@ -76,6 +76,17 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Time a leaving replica took to finish the streams relayed from it.", "gateway", DRAIN_BUCKETS),
     MetricSpec("shunter_drain_aborted_total", "counter", ("model",), "Streams ended at the drain timeout.",
                "gateway"),
+    # ---- callers: API keys and quotas (key_id: the key's public id, never the key) ---------------------
+    MetricSpec("shunter_key_requests_total", "counter", ("key_name", "key_id", "model", "status"),
+               "Requests admitted per API key, by the status they ended with (`anonymous` without keys).",
+               "gateway"),
+    MetricSpec("shunter_key_tokens_total", "counter", ("key_name", "key_id", "model", "kind"),
+               "Tokens per API key: kind prompt or completion, from the engine's usage.", "gateway"),
+    MetricSpec("shunter_rate_limited_total", "counter", ("key_name", "key_id", "limit"),
+               "Requests refused with 429 by a key's quota: limit requests, tokens or too_large.", "gateway"),
+    MetricSpec("shunter_auth_failures_total", "counter", ("reason",),
+               "Requests refused at the door: missing_key, malformed_header, invalid_key (401); "
+               "model_not_allowed, client_key_on_admin, admin_key_on_api (403).", "gateway"),
     # ---- routing, in the gateway's routers ---------------------------------------------------
     MetricSpec("shunter_routing_decisions_total", "counter", (*_MV, "policy", "reason"),
                "Routing decisions by reason: prefix_hit, load_fallback, least_loaded, breaker_skip, retry "

@@ -38,6 +38,16 @@ class LazyMetrics:
             return None
         return self._metrics
 
+    def record(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call `fn(metrics)` when metrics are available; a failure is logged, never raised (metrics
+        never break a request)."""
+        try:
+            metrics = self.get()
+            if metrics:
+                fn(metrics)
+        except Exception:  # noqa: BLE001 - metrics must never break the caller
+            log.debug("metrics recording failed", exc_info=True)
+
 
 class StickyGauge:
     """A Ray gauge that keeps reporting its last values.

@@ -28,12 +28,23 @@ class RouteHint:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """The gateway's limits the replica applies, because only the replica knows the model: its context
+    length (a request that names no max_tokens gets at most `max_tokens`, never past the context) and its
+    tokenizer (prompts past `max_prompt_tokens` are refused)."""
+
+    max_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaRequest(RouteHint):
     """One OpenAI request for a replica. `body` is the parsed JSON, its model already resolved."""
 
     endpoint: str = "chat"
     body: dict[str, Any] = field(default_factory=dict)
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the gateway's span
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
     # looking for an argument with a `messages` or `prompt` attribute; exposing exactly the one this

@@ -92,3 +92,18 @@ def test_the_cli_writes_the_manifest(tmp_path, capsys):
     manifest = yaml.safe_load(text)
     assert manifest["kind"] == "RayService" and manifest["metadata"]["namespace"] == "shunter"
     assert "serveConfigV2: |" in text, "the Serve config stays readable in the manifest"
+
+
+def test_a_config_with_key_env_keys_has_every_container_read_the_api_keys_secret():
+    from shunter.kuberay import API_KEYS_SECRET
+
+    manifest = _render(ROOT / "configs" / "gpu-llama-8b.yaml")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    containers = [*cluster["headGroupSpec"]["template"]["spec"]["containers"],
+                  *(c for g in cluster["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])]
+    assert len(containers) >= 2
+    for container in containers:  # not optional: no Secret, no open gateway
+        assert container["envFrom"] == [{"secretRef": {"name": API_KEYS_SECRET}}]
+    assert "sk-" not in manifest["spec"]["serveConfigV2"]
+    plain = _render(ROOT / "configs" / "local.yaml")
+    assert "envFrom" not in str(plain)

@@ -109,3 +109,21 @@ def test_a_failed_request_ends_its_span_as_an_error_once():
     tel.finish(200)  # a second end (a stream's relay closing late) changes nothing
     (span,) = EXPORTER.get_finished_spans()
     assert not span.status.is_ok and span.attributes["http.response.status_code"] == "503"
+
+
+def test_spans_never_carry_the_key_or_the_prompt_by_default_and_the_end_callbacks_see_the_usage():
+    key = "sk-secret-0123456789abcdef"
+    headers = {"authorization": f"Bearer {key}", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    tel = RequestTelemetry("m", "chat", headers, "req-9")
+    seen = []
+    tel.on_finish.append(lambda status, prompt, completion: seen.append((status, prompt, completion)))
+    tel.routing("v1", attempt=1)
+    tel.accepted("replica-1")
+    tel.chunk(_chunk("secret prompt echo"))
+    tel.chunk(USAGE)
+    tel.finish(200)
+    tel.finish(200)  # once only
+    assert seen == [("200", 7, 3)]
+    text = json.dumps([{**dict(s.attributes or {}), "events": [e.name for e in s.events]}
+                       for s in EXPORTER.get_finished_spans()])
+    assert key not in text and "authorization" not in text.lower() and "secret prompt" not in text

@@ -114,6 +114,7 @@ module "shunter" {
   public_endpoint          = true
   public_source_ranges     = var.public_access_cidrs
   hf_token                 = var.hf_token
+  api_keys                 = var.api_keys
   ready_timeout            = var.rayservice_ready_timeout
 
   # The RayService CRD comes with the operator; GPU workers need the device plugin and node autoscaling.

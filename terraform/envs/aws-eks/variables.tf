@@ -132,6 +132,13 @@ variable "hf_token" {
   sensitive   = true
 }
 
+variable "api_keys" {
+  type        = map(string)
+  description = "API keys by the environment variable the config names (configs/gpu-llama-8b.yaml: SHUNTER_KEY_DEFAULT and SHUNTER_ADMIN_KEY). Pass them as TF_VAR_api_keys='{SHUNTER_KEY_DEFAULT=\"...\",SHUNTER_ADMIN_KEY=\"...\"}'; make keys with `shunter keys new`."
+  default     = {}
+  sensitive   = true
+}
+
 variable "grafana_admin_password" {
   type        = string
   description = "Password of Grafana's admin user (at least 12 characters). Pass it as TF_VAR_grafana_admin_password."

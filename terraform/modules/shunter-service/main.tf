@@ -94,6 +94,20 @@ resource "kubernetes_secret_v1" "hf_token" {
   }
 }
 
+# The config's API keys (auth.keys, auth.admin_keys with key_env): the rendered manifest has every Ray
+# container read this Secret's entries as environment variables. The keys are in Terraform's state, like
+# the HF token: keep the state in an encrypted backend, or create the Secret with kubectl instead.
+resource "kubernetes_secret_v1" "api_keys" {
+  count = length(var.api_keys) > 0 ? 1 : 0
+
+  metadata {
+    name      = "shunter-api-keys"
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  data = var.api_keys
+}
+
 resource "kubernetes_manifest" "rayservice" {
   manifest = local.manifest
 
@@ -116,7 +130,7 @@ resource "kubernetes_manifest" "rayservice" {
     delete = "30m"
   }
 
-  depends_on = [kubernetes_secret_v1.hf_token]
+  depends_on = [kubernetes_secret_v1.hf_token, kubernetes_secret_v1.api_keys]
 }
 
 # Read back after the RayService is Ready: KubeRay creates the serve Service, AWS its load balancer.

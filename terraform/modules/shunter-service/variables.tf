@@ -50,3 +50,15 @@ variable "public_source_ranges" {
   default     = []
   description = "CIDR ranges allowed to reach the public endpoint (the API has no authentication of its own)."
 }
+
+variable "api_keys" {
+  type        = map(string)
+  description = "API keys by environment variable name (the config's key_env, e.g. SHUNTER_KEY_TEAM_A), stored in the Secret shunter-api-keys that every Ray container reads. Empty: no Secret is created here (create it with kubectl); a config with keys waits for it."
+  default     = {}
+  sensitive   = true
+
+  validation {
+    condition     = alltrue([for name, key in var.api_keys : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", name)) && length(key) >= 16])
+    error_message = "api_keys maps environment variable names to keys of at least 16 characters (shunter keys new makes one)."
+  }
+}

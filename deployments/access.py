@@ -1,0 +1,202 @@
+"""Who may call the gateway, for what, and how much: API keys, model allow-lists, admin keys, per-key quotas
+and per-request limits. The gateway asks this module at the door; it answers a Caller, a Ticket, or
+raises `ApiError` with the OpenAI-shaped refusal (401, 403, 429, 400).
+
+Keys and prompts never reach a log line or a metric from here: a caller is named by its configured name
+and its public key id (`shunter.auth.key_id`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ops.quotas import KeyQuota, estimate_prompt_tokens, requested_completion_tokens
+from shunter.auth import ANONYMOUS, Caller, KeyRing, bearer_token
+from shunter.config import LimitsConfig, ShunterConfig
+from shunter.errors import ApiError
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+
+log = logging.getLogger("ray.serve")
+
+_NAMES = ("shunter_key_requests_total", "shunter_key_tokens_total", "shunter_rate_limited_total",
+          "shunter_auth_failures_total")
+_record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+OPEN_API_WARNING = (
+    "NO API KEYS ARE CONFIGURED: every endpoint, /admin (rollouts, traffic weights) included, is open to "
+    "anyone who can reach this gateway. Configure `auth.keys` and `auth.admin_keys` (keys come from "
+    "environment variables or files) before exposing it beyond this machine.")
+
+
+def _auth_failure(reason: str) -> None:
+    _record(lambda m: m["shunter_auth_failures_total"].inc(1, tags={"reason": reason}))
+
+
+@dataclass
+class Ticket:
+    """An admitted request's quota reservation; `settle` once it has ended."""
+
+    caller: Caller
+    model: str
+    quota: KeyQuota | None
+    reserved: int
+    headers: dict[str, str] = field(default_factory=dict)
+    _settled: bool = False
+
+    def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        if self.quota is not None:
+            self.quota.settle(self.reserved, prompt_tokens + completion_tokens)
+        labels = {"key_name": self.caller.name, "key_id": self.caller.key_id, "model": self.model}
+
+        def record(m: dict[str, Any]) -> None:
+            m["shunter_key_requests_total"].inc(1, tags={**labels, "status": str(status)})
+            if prompt_tokens:
+                m["shunter_key_tokens_total"].inc(prompt_tokens, tags={**labels, "kind": "prompt"})
+            if completion_tokens:
+                m["shunter_key_tokens_total"].inc(completion_tokens, tags={**labels, "kind": "completion"})
+
+        _record(record)
+
+
+class AccessControl:
+    """The gateway's door. Reads every key when constructed (a key that cannot be read stops the
+    gateway from starting, with the key's name and source in the error)."""
+
+    def __init__(self, cfg: ShunterConfig, environ: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.limits: LimitsConfig = cfg.gateway.limits
+        self.ring = KeyRing.load(cfg.auth, lambda name: cfg.find_model(name).name, environ)  # type: ignore[union-attr]
+        self._share = 1.0 / cfg.gateway.replicas
+        self._clock = clock
+        self._quotas: dict[str, KeyQuota] = {}
+        if not self.ring.enabled:
+            log.warning(OPEN_API_WARNING)
+        else:
+            clients = [c for _, c in self.ring.entries if not c.admin]
+            admins = [c for _, c in self.ring.entries if c.admin]
+            log.info("API keys: %d client key(s) (%s), %d admin key(s)%s", len(clients),
+                     ", ".join(f"{c.name}={c.key_id}" for c in clients), len(admins),
+                     "" if admins else "; /admin is closed to everyone (no admin key configured)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ring.enabled
+
+    # ---- who is calling --------------------------------------------------------------------------
+
+    def client(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of a /v1 request. 401 without a valid client key (when keys are configured)."""
+        if not self.ring.enabled:
+            return ANONYMOUS
+        caller = self._identify(headers)
+        if caller.admin:
+            _auth_failure("admin_key_on_api")
+            raise ApiError(403, "an admin key opens /admin only; call /v1 with a client key",
+                           code="client_key_required")
+        return caller
+
+    def admin(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of an /admin request: 401 without a key, 403 for a client key or when no admin key
+        is configured. Open only when no key of any kind is configured."""
+        if not self.ring.enabled:
+            return ANONYMOUS
+        caller = self._identify(headers)
+        if not caller.admin:
+            _auth_failure("client_key_on_admin")
+            raise ApiError(403, "this endpoint needs an admin key (auth.admin_keys); a client key does not "
+                           "open /admin", code="admin_key_required")
+        return caller
+
+    def _identify(self, headers: Mapping[str, str]) -> Caller:
+        authorization = headers.get("authorization")
+        token = bearer_token(authorization)
+        if token is None:
+            reason = "missing_key" if not authorization else "malformed_header"
+            _auth_failure(reason)
+            message = ("no API key: send it as the header `Authorization: Bearer <key>`" if not authorization
+                       else "the Authorization header must be `Bearer <key>`")
+            raise ApiError(401, message, code="missing_api_key" if not authorization else "invalid_api_key",
+                           headers=_CHALLENGE)
+        caller = self.ring.identify(token)
+        if caller is None:
+            _auth_failure("invalid_key")
+            raise ApiError(401, "the API key is not valid", code="invalid_api_key", headers=_CHALLENGE)
+        return caller
+
+    # ---- what it may use ---------------------------------------------------------------------------
+
+    def check_model(self, caller: Caller, model: str) -> None:
+        if not caller.may_use(model):
+            _auth_failure("model_not_allowed")
+            raise ApiError(403, f"this API key ({caller.name}) may not use model {model!r}", param="model",
+                           code="model_not_allowed")
+
+    def check_limits(self, endpoint: str, body: dict[str, Any]) -> None:
+        """The request's own size limits (400). Values of the wrong type are left to the engine's
+        validation, which names them."""
+        limits = self.limits
+        messages = body.get("messages")
+        if endpoint == "chat" and isinstance(messages, list) and len(messages) > limits.max_messages:
+            raise ApiError(400, f"{len(messages)} messages; this platform takes at most {limits.max_messages} "
+                           "per request", param="messages", code="too_many_messages")
+        for name in ("n", "best_of"):
+            value = body.get(name)
+            if _is_int(value) and value > limits.max_n:
+                raise ApiError(400, f"{name}={value}; this platform takes at most {limits.max_n}", param=name,
+                               code="n_too_large")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if endpoint != "embedding" and _is_int(value) and value > limits.max_tokens:
+                raise ApiError(400, f"{name}={value}; this platform generates at most {limits.max_tokens} "
+                               "tokens per request", param=name, code="max_tokens_too_large")
+
+    # ---- how much ----------------------------------------------------------------------------------
+
+    def admit(self, caller: Caller, model: str, endpoint: str, body: dict[str, Any]) -> Ticket:
+        """Take the request from the caller's quota, or raise 429 with Retry-After and the rate-limit
+        headers."""
+        quota = self._quota(caller)
+        if quota is None:
+            return Ticket(caller, model, None, 0)
+        completion = 0 if endpoint == "embedding" else requested_completion_tokens(body)
+        reservation = estimate_prompt_tokens(body) + completion
+        decision = quota.admit(reservation)
+        if decision.admitted:
+            return Ticket(caller, model, quota, decision.reserved, decision.headers)
+        labels = {"key_name": caller.name, "key_id": caller.key_id}
+        if decision.never_fits:
+            _record(lambda m: m["shunter_rate_limited_total"].inc(1, tags={**labels, "limit": "too_large"}))
+            raise ApiError(429, f"this request needs about {reservation} tokens (prompt estimate plus max_tokens), "
+                           f"more than this key's whole budget of {quota.tokens_per_minute} tokens per minute; "
+                           "send a shorter prompt or a smaller max_tokens", code="request_exceeds_quota",
+                           headers=decision.headers)
+        limit = decision.limit or "requests"
+        _record(lambda m: m["shunter_rate_limited_total"].inc(1, tags={**labels, "limit": limit}))
+        per_minute = quota.requests_per_minute if limit == "requests" else quota.tokens_per_minute
+        raise ApiError(429, f"rate limit reached for this key ({caller.name}): {per_minute} {limit} per minute; "
+                       f"retry in {decision.retry_after_s}s", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(decision.retry_after_s), **decision.headers})
+
+    def _quota(self, caller: Caller) -> KeyQuota | None:
+        config = caller.config
+        if config is None or (config.requests_per_minute is None and config.tokens_per_minute is None):
+            return None
+        quota = self._quotas.get(caller.key_id)
+        if quota is None:
+            quota = self._quotas[caller.key_id] = KeyQuota(config.requests_per_minute, config.tokens_per_minute,
+                                                           self._share, self._clock)
+        return quota
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

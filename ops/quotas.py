@@ -1,0 +1,180 @@
+"""Per-key quotas: requests and tokens per minute, as token buckets, with OpenAI's rate-limit headers.
+
+Each bucket holds up to one minute's budget and refills continuously, so a key may burst its whole
+minute at once and then runs at its rate. A request takes one request token and reserves its tokens
+up front: its prompt estimate (characters / 4) plus the completion tokens it asks for (`max_tokens`
+times `n`; nothing when it does not say). When it ends, it is settled at its real usage (the engine's
+`usage`): the difference is given back or charged, and a charge may take the bucket below zero, so a
+key that under-declared pays the debt by waiting. Reserving up front stops a burst of large requests
+from all passing while the bucket still shows budget; settling afterwards keeps the books exact.
+
+A request that could never fit (its reservation exceeds the whole per-minute budget) is refused at
+once with no Retry-After, since waiting would not help.
+
+Buckets live in each gateway replica's memory. With several gateway replicas, each holds its share of
+the budget (limit / replicas): Ray's proxies spread requests over them, and a shared store would put a
+network hop and a single point of failure in front of every request. Rate-limit headers report the
+key's limit and this replica's remaining budget scaled back to the whole key.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+CHARS_PER_TOKEN = 4  # the usual estimate for English text with BPE tokenizers
+MESSAGE_OVERHEAD_TOKENS = 4  # role markers and separators a chat template adds per message
+
+
+class TokenBucket:
+    """`capacity` tokens, refilled at `per_second`; the level may go below zero (debt) by `charge`."""
+
+    def __init__(self, capacity: float, per_second: float, clock: Callable[[], float] = time.monotonic):
+        self.capacity = capacity
+        self.per_second = per_second
+        self.clock = clock
+        self.level = capacity
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self._at) * self.per_second)
+        self._at = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` can be taken (0: now)."""
+        self._refill()
+        return 0.0 if self.level >= amount else (amount - self.level) / self.per_second
+
+    def take(self, amount: float) -> None:
+        self._refill()
+        self.level -= amount
+
+    def give_back(self, amount: float) -> None:
+        self._refill()
+        self.level = min(self.capacity, self.level + amount)
+
+    def until_full_s(self) -> float:
+        self._refill()
+        return (self.capacity - self.level) / self.per_second
+
+    def remaining(self) -> int:
+        self._refill()
+        return max(0, math.floor(self.level))
+
+
+@dataclass
+class QuotaDecision:
+    """The door's answer: admitted (retry_after_s None), or refused with why and when to retry."""
+
+    reserved: int = 0
+    retry_after_s: int | None = None
+    limit: str | None = None  # requests | tokens
+    never_fits: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def admitted(self) -> bool:
+        return self.retry_after_s is None and not self.never_fits
+
+
+class KeyQuota:
+    """One key's budgets in this gateway replica. `share`: this replica's part of the key's budget."""
+
+    def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None, share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.requests_per_minute, self.tokens_per_minute, self.share = requests_per_minute, tokens_per_minute, share
+        self.requests = self._bucket(requests_per_minute, clock)
+        self.tokens = self._bucket(tokens_per_minute, clock)
+
+    def _bucket(self, per_minute: int | None, clock: Callable[[], float]) -> TokenBucket | None:
+        if per_minute is None:
+            return None
+        capacity = max(1.0, per_minute * self.share)
+        return TokenBucket(capacity, capacity / 60.0, clock)
+
+    @property
+    def limited(self) -> bool:
+        return self.requests is not None or self.tokens is not None
+
+    def admit(self, reservation: int) -> QuotaDecision:
+        """Take one request and reserve `reservation` tokens, or take nothing and say why not."""
+        if self.tokens is not None and reservation > self.tokens.capacity:
+            return QuotaDecision(limit="tokens", never_fits=True, headers=self.headers())
+        waits = {"requests": self.requests.wait_for(1) if self.requests else 0.0,
+                 "tokens": self.tokens.wait_for(reservation) if self.tokens else 0.0}
+        limit, wait = max(waits.items(), key=lambda kv: kv[1])
+        if wait > 0:
+            return QuotaDecision(retry_after_s=max(1, math.ceil(wait)), limit=limit, headers=self.headers())
+        if self.requests:
+            self.requests.take(1)
+        if self.tokens:
+            self.tokens.take(reservation)
+        return QuotaDecision(reserved=reservation, headers=self.headers())
+
+    def settle(self, reserved: int, used: int) -> None:
+        """The request is over: it used `used` tokens of the `reserved` it took."""
+        if self.tokens is None or used == reserved:
+            return
+        if used < reserved:
+            self.tokens.give_back(reserved - used)
+        else:
+            self.tokens.take(used - reserved)
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*` headers for the limits this key has."""
+        out: dict[str, str] = {}
+        for name, bucket, per_minute in (("requests", self.requests, self.requests_per_minute),
+                                         ("tokens", self.tokens, self.tokens_per_minute)):
+            if bucket is None or per_minute is None:
+                continue
+            out[f"x-ratelimit-limit-{name}"] = str(per_minute)
+            out[f"x-ratelimit-remaining-{name}"] = str(min(per_minute, math.floor(bucket.remaining() / self.share)))
+            out[f"x-ratelimit-reset-{name}"] = duration(bucket.until_full_s())
+        return out
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: `250ms`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10) / 10:g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A cheap guess of a request's prompt tokens from its text (no tokenizer at the gateway): characters
+    / 4, token-id lists by their length, plus a few tokens per chat message."""
+    total, messages = 0, body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            total += MESSAGE_OVERHEAD_TOKENS
+            if isinstance(message, dict):
+                total += _text_tokens(message.get("content"))
+    for key in ("prompt", "input"):
+        total += _text_tokens(body.get(key))
+    return total
+
+
+def _text_tokens(value: Any) -> int:
+    if isinstance(value, str):
+        return math.ceil(len(value) / CHARS_PER_TOKEN)
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)  # token ids
+        return sum(_text_tokens(v.get("text") if isinstance(v, dict) else v) for v in value)
+    return 0
+
+
+def requested_completion_tokens(body: dict[str, Any]) -> int:
+    """The completion tokens a request asks for at most: max_tokens (or max_completion_tokens) times n."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = body.get("n")
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+        return 0
+    return asked * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)

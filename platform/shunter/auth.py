@@ -1,0 +1,143 @@
+"""API keys: read from their sources once, kept only as SHA-256 digests, checked in constant time.
+
+Keys are long random strings (not passwords), so one SHA-256 is the right hash: it keeps the key out of
+memory dumps and makes the comparison independent of the key's bytes, and a slow password hash would
+only cost every request. A presented key is hashed once and compared with every configured digest by
+`hmac.compare_digest`, without stopping at the first match, so the time taken says nothing about which
+key, or how much of one, matched.
+
+A key's id is the first 12 hex digits of its digest: safe to show in logs and to use as a metric label,
+and enough to tell keys apart (and to find a key's id from the key: `shunter keys id`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shunter.config import ApiKeyConfig, AuthConfig, KeySourceConfig
+
+MIN_KEY_LENGTH = 16  # shorter keys are guessable; `shunter keys new` makes 43-character ones
+KEY_PREFIX = "sk-shunter-"
+
+
+class KeySourceError(ValueError):
+    """A configured key cannot be read or is unusable; the message names the key and its source, never
+    the key."""
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def key_id(key: str) -> str:
+    """The public id of a key (its digest's first 12 hex digits)."""
+    return digest(key).hex()[:12]
+
+
+def new_key() -> str:
+    """A fresh key: 32 random bytes, URL-safe."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def read_key(source: KeySourceConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The key from its environment variable or file, checked. Raises KeySourceError naming the source."""
+    environ = os.environ if environ is None else environ
+    if source.key_env:
+        value = environ.get(source.key_env)
+        if value is None:
+            raise KeySourceError(f"key {source.name!r}: environment variable ${source.key_env} is not set in the "
+                            "gateway's process")
+    else:
+        try:
+            value = Path(source.key_file or "").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeySourceError(f"key {source.name!r}: cannot read {source.key_file}: "
+                            f"{exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") from None
+    key = value.strip()
+    if len(key) < MIN_KEY_LENGTH:
+        raise KeySourceError(f"key {source.name!r} from {source.source} is {len(key)} characters; a key needs at "
+                        f"least {MIN_KEY_LENGTH} (make one with `shunter keys new`)")
+    if any(c.isspace() for c in key) or not key.isprintable():
+        raise KeySourceError(f"key {source.name!r} from {source.source} holds whitespace or control characters; "
+                        "a key is one printable word")
+    return key
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the key's name and public id, and what it may use."""
+
+    name: str
+    key_id: str
+    admin: bool = False
+    models: frozenset[str] | None = None  # canonical model names; None = every model
+    config: ApiKeyConfig | None = None  # a client key's settings (quotas)
+
+    def may_use(self, model: str) -> bool:
+        return not self.admin and (self.models is None or model in self.models)
+
+
+ANONYMOUS = Caller(name="anonymous", key_id="none")  # who calls when no key is configured
+
+
+@dataclass
+class KeyRing:
+    """The configured keys as digests. `identify` finds the caller of a presented key."""
+
+    entries: list[tuple[bytes, Caller]] = field(default_factory=list)
+    enabled: bool = False
+
+    @classmethod
+    def load(cls, auth: AuthConfig, canonical: Callable[[str], str],
+             environ: Mapping[str, str] | None = None) -> KeyRing:
+        """Read every key now. `canonical` maps a model name or alias to the model's name. Raises
+        KeySourceError listing every key that cannot be read, and when two sources hold the same key."""
+        ring, problems, seen = cls(enabled=auth.enabled), [], {}
+        sources: Sequence[tuple[KeySourceConfig, bool]] = [*((k, False) for k in auth.keys),
+                                                           *((k, True) for k in auth.admin_keys)]
+        for source, admin in sources:
+            try:
+                key = read_key(source, environ)
+            except KeySourceError as exc:
+                problems.append(str(exc))
+                continue
+            hashed = digest(key)
+            if hashed in seen:
+                problems.append(f"keys {seen[hashed]!r} and {source.name!r} are the same key; give each its own")
+                continue
+            seen[hashed] = source.name
+            models = None
+            if isinstance(source, ApiKeyConfig) and source.models:
+                models = frozenset(canonical(m) for m in source.models)
+            caller = Caller(name=source.name, key_id=hashed.hex()[:12], admin=admin, models=models,
+                            config=source if isinstance(source, ApiKeyConfig) else None)
+            ring.entries.append((hashed, caller))
+        if problems:
+            raise KeySourceError("the gateway cannot start: " + "; ".join(problems))
+        return ring
+
+    def identify(self, presented: str) -> Caller | None:
+        """The caller whose key this is, or None. Every entry is compared, in constant time each."""
+        hashed = digest(presented)
+        found = None
+        for entry_digest, caller in self.entries:
+            if hmac.compare_digest(entry_digest, hashed):
+                found = caller
+        return found
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (the scheme in any case), else None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token

@@ -1,0 +1,347 @@
+"""API keys, quotas and limits on a live app with real engines (SmolLM2 and MiniLM), then fuzzing it.
+
+Keys reach the gateway as a real deployment gives them: environment variables of its process and a key
+file (not a Serve runtime_env: Ray's runtime-env agent writes its env_vars to its log, which the log
+test here catches). The app's limits are tight (8 generated tokens, n <= 2) so fuzzed requests that pass every check
+finish fast on 2 CPU cores.
+
+Fuzzing: schemathesis generates requests from the gateway's own OpenAPI schema (every operation, bodies
+valid and invalid, streaming among them), and hypothesis generates arbitrary JSON and bytes as bodies.
+Every answer must be a non-5xx within its timeout (no hang), and the app must still answer a normal
+request afterwards. Case counts are printed at the end (`-s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shunter.auth import key_id, new_key
+from tests.integration.fake_app import fake_engine_app
+
+from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
+
+pytestmark = pytest.mark.own_cluster
+
+APP = "keys-e2e"
+FULL, CHAT_ONLY, ADMIN = new_key(), new_key(), new_key()
+ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY}
+PROMPT_MARKER = "zebra-quartz-prompt-marker"
+TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
+CASES: Counter[str] = Counter()  # cases sent, by source and operation
+ANSWERS: Counter[str] = Counter()  # answers, by status class (and streams among the 200s)
+
+
+def _args(admin_key_file: Path) -> dict[str, Any]:
+    engine = {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1}
+    return {
+        "models": [
+            {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
+             "engine": engine},
+            {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
+             "engine": {**engine, "max_model_len": 256}},
+        ],
+        "gateway": {"limits": {"max_tokens": 8, "max_n": 2, "max_messages": 32, "max_prompt_tokens": 200,
+                               "request_timeout_s": 60}},
+        "auth": {
+            "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
+                     {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
+                      "tokens_per_minute": 120}],
+            "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def app(exclusive_machine, tmp_path_factory) -> Iterator[str]:
+    key_file = tmp_path_factory.mktemp("secrets") / "admin-key"
+    key_file.write_text(ADMIN + "\n")
+    # The keys are in the environment of the processes Ray starts (as `ray start` in a shell, or a pod's
+    # env from a Secret, gives them), not in a runtime_env: Ray's runtime-env agent logs its env_vars.
+    os.environ.update(ENV)
+    try:
+        with fake_engine_app(_args(key_file), APP) as base:
+            wait_ready(base)
+            yield base
+    finally:
+        for name in ENV:
+            os.environ.pop(name, None)
+
+
+def client(base: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S)
+
+
+def chat(base: str, key: str | None, model: str = CHAT_MODEL, **extra: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=TIMEOUT_S, json={
+        "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8, "temperature": 0, **extra})
+
+
+# ---- keys --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", [None, "sk-wrong-0123456789abcdef", ADMIN])
+def test_missing_wrong_or_admin_keys_get_401_or_403_from_every_v1_endpoint(app, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for method, path, body in [("GET", "/v1/models", None), ("GET", f"/v1/models/{CHAT_MODEL}", None),
+                               ("POST", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": []}),
+                               ("POST", "/v1/completions", {"model": CHAT_MODEL, "prompt": "x"}),
+                               ("POST", "/v1/embeddings", {"model": EMBED_MODEL, "input": "x"})]:
+        resp = httpx.request(method, f"{app}{path}", headers=headers, json=body, timeout=TIMEOUT_S)
+        expected = 403 if key == ADMIN else 401
+        assert resp.status_code == expected, (path, resp.text)
+        error = resp.json()["error"]
+        assert error["type"] == ("permission_error" if key == ADMIN else "authentication_error")
+        if expected == 401:
+            assert resp.headers["www-authenticate"] == "Bearer"
+
+
+def test_the_official_client_with_a_wrong_key_gets_an_authentication_error(app):
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(app, "sk-wrong-0123456789abcdef").chat.completions.create(
+            model=CHAT_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert caught.value.code == "invalid_api_key"
+
+
+def test_a_key_restricted_to_one_model_sees_and_uses_only_that_model(app):
+    restricted = client(app, CHAT_ONLY)
+    assert [m.id for m in restricted.models.list()] == [CHAT_MODEL]
+    assert sorted(m.id for m in client(app, FULL).models.list()) == sorted([CHAT_MODEL, EMBED_MODEL])
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        restricted.embeddings.create(model=EMBED_MODEL, input="hello")
+    assert caught.value.code == "model_not_allowed"
+    reply = restricted.chat.completions.create(model="smollm2", max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_admin_endpoints_need_the_admin_key(app):
+    for key, status in [(None, 401), (FULL, 403), ("sk-wrong-0123456789abcdef", 401), (ADMIN, 200)]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        resp = httpx.get(f"{app}/admin/rollouts", headers=headers, timeout=TIMEOUT_S)
+        assert resp.status_code == status, (key, resp.text)
+        resp = httpx.post(f"{app}/admin/rollouts/{CHAT_MODEL}", headers=headers, json={"to": "v2"}, timeout=TIMEOUT_S)
+        assert resp.status_code == (400 if status == 200 else status), resp.text  # 400: one version only
+
+
+def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served(app):
+    statuses, refused = [], None
+    for _ in range(8):  # 120 tokens a minute; each request uses about 40
+        resp = chat(app, CHAT_ONLY)
+        statuses.append(resp.status_code)
+        if resp.status_code == 429:
+            refused = resp
+            break
+    assert refused is not None, statuses
+    assert statuses[:-1] and all(s == 200 for s in statuses[:-1]), statuses
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-limit-tokens"] == "120"
+    other = chat(app, FULL)
+    assert other.status_code == 200 and "Paris" in other.json()["choices"][0]["message"]["content"]
+    assert "x-ratelimit-limit-tokens" not in other.headers  # the full key has no quota
+
+
+def test_usage_is_counted_per_key_id_never_per_key(app):
+    from .live import scrape_until
+
+    resp = chat(app, FULL)
+    assert resp.status_code == 200
+    import ray
+
+    port = ray._private.worker._global_node.metrics_export_port
+    text = scrape_until(f"http://127.0.0.1:{port}/metrics",
+                        [("ray_shunter_key_tokens_total", {"key_id": key_id(FULL), "kind": "completion"})])
+    assert 'key_name="full"' in text
+    assert FULL not in text and CHAT_ONLY not in text
+
+
+# ---- limits --------------------------------------------------------------------------------------
+
+def test_limits_answer_400_naming_the_field(app):
+    cases = [({"max_tokens": 9}, "max_tokens_too_large"), ({"n": 3}, "n_too_large"),
+             ({"messages": [{"role": "user", "content": "x"}] * 33}, "too_many_messages"),
+             ({"messages": [{"role": "user", "content": "word " * 400}]}, "prompt_too_long")]
+    for extra, code in cases:
+        resp = chat(app, FULL, **extra)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == code
+
+
+def test_a_chat_that_names_no_max_tokens_gets_the_platform_limit(app):
+    resp = httpx.post(f"{app}/v1/chat/completions", headers={"Authorization": f"Bearer {FULL}"}, timeout=TIMEOUT_S,
+                      json={"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Write a long story."}]})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] <= 8
+
+
+def test_keys_and_prompts_stay_out_of_every_log(app):
+    resp = chat(app, FULL, messages=[{"role": "user", "content": f"Say {PROMPT_MARKER}"}])
+    assert resp.status_code == 200
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    assert logs.is_dir()
+    leaks = []
+    for path in logs.rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            leaks += [(path.name, what) for what, secret in
+                      [("full key", FULL), ("admin key", ADMIN), ("prompt", PROMPT_MARKER)] if secret in text]
+    assert not leaks
+
+
+# ---- fuzzing ---------------------------------------------------------------------------------------
+
+def _auth_for(path: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN if path.startswith('/admin') else FULL}"}
+
+
+def _schema(base: str) -> Any:
+    """The live gateway's OpenAPI document; `model` fields offered the served names (and one unknown)
+    so generated bodies reach the engines, not only the 404."""
+    import schemathesis
+
+    raw = httpx.get(f"{base}/openapi.json", timeout=TIMEOUT_S).json()
+    names = [CHAT_MODEL, "smollm2", EMBED_MODEL, "no-such-model"]
+    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+        raw["components"]["schemas"][name]["properties"]["model"]["enum"] = names
+    schema = schemathesis.openapi.from_dict(raw)
+    schema.config.update(base_url=base)
+    schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE,
+                                           schemathesis.GenerationMode.NEGATIVE],
+                                    max_examples=25, database="none")
+    return schema
+
+
+def _streamed(case: Any) -> Any:
+    """The same valid case, asking for a stream."""
+    if isinstance(case.body, dict):
+        case.body["stream"] = True
+    return case
+
+
+def _fuzz(operation: Any, failures: list[str]) -> Any:
+    """A hypothesis test sending schemathesis' cases (valid and invalid) for one operation."""
+    from schemathesis import GenerationMode
+
+    name = f"{operation.method.upper()} {operation.path}"
+
+    examples = 80 if operation.path.startswith("/v1/") and operation.method.upper() == "POST" else 20
+
+    strategies = [operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)]
+    if operation.path in ("/v1/chat/completions", "/v1/completions"):
+        strategies.append(operation.as_strategy(GenerationMode.POSITIVE).map(_streamed))
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              derandomize=True)
+    @given(case=st.one_of(*strategies))
+    def run(case: Any) -> None:
+        CASES[f"schemathesis {name}"] += 1
+        try:
+            response = case.call(headers=_auth_for(operation.path), timeout=TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a timeout or a dropped connection is a finding
+            failures.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+            return
+        _count_answer("schemathesis", response.status_code, response.headers.get("content-type", ""))
+        if response.status_code >= 500:
+            failures.append(f"{name} {case.body!r:.200} -> {response.status_code} {response.text[:200]}")
+
+    return run
+
+
+def _count_answer(source: str, status: int, content_type: Any) -> None:
+    if isinstance(content_type, list):  # schemathesis' responses list each header's values
+        content_type = content_type[0] if content_type else ""
+    ANSWERS[f"{source} {status // 100}xx"] += 1
+    if status == 200 and str(content_type).startswith("text/event-stream"):
+        ANSWERS[f"{source} 200 streams"] += 1
+
+
+def test_schemathesis_every_operation_answers_without_5xx_or_hang(app):
+    failures: list[str] = []
+    operations = [result.ok() for result in _schema(app).get_all_operations()]
+    assert len(operations) >= 13
+    for operation in operations:
+        _fuzz(operation, failures)()
+    assert not failures, failures[:10]
+    # The valid cases reached the engines, streams among them.
+    assert ANSWERS["schemathesis 2xx"] > 0 and ANSWERS["schemathesis 200 streams"] > 0, ANSWERS
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                    max_leaves=12)
+TEXT = st.text(max_size=40)
+SAMPLING = {"stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+            "max_tokens": st.integers(1, 8), "n": st.integers(1, 2), "temperature": st.floats(0, 2),
+            "top_p": st.floats(0.1, 1), "stop": TEXT | st.lists(TEXT, max_size=2), "seed": st.integers(0, 2**31),
+            "user": TEXT}
+VALID = {
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {"model": st.sampled_from([CHAT_MODEL, "smollm2"]),
+         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                     "content": TEXT}), min_size=1, max_size=3)},
+        optional={**SAMPLING, "logprobs": st.booleans()}),
+    "/v1/completions": st.fixed_dictionaries(
+        {"model": st.sampled_from([CHAT_MODEL, "smollm2"]),
+         "prompt": TEXT | st.lists(st.integers(0, 40_000), min_size=1, max_size=5) | st.lists(TEXT, min_size=1, max_size=2)},
+        optional={**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5)}),
+    "/v1/embeddings": st.fixed_dictionaries(
+        {"model": st.just(EMBED_MODEL), "input": TEXT | st.lists(TEXT, min_size=1, max_size=3)},
+        optional={"encoding_format": st.sampled_from(["float", "base64"]), "user": TEXT}),
+}
+
+
+def _near(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    """Valid bodies, and valid bodies with one field (or a new one) replaced by arbitrary JSON."""
+    def spoil(body: dict) -> st.SearchStrategy[dict]:
+        field = st.sampled_from(sorted(body)) | st.text(max_size=12)
+        return st.tuples(field, JSON).map(lambda kv: {**body, kv[0]: kv[1]})
+
+    return valid | valid.flatmap(spoil)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
+    seen: Counter[int] = Counter()
+
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              derandomize=True)
+    @given(body=_near(VALID[path]) | JSON, raw=st.none() | st.none() | st.binary(max_size=64))
+    def run(body: Any, raw: bytes | None) -> None:
+        CASES[f"hypothesis POST {path}"] += 1
+        content = raw if raw is not None else json.dumps(body).encode()
+        resp = httpx.post(f"{app}{path}", content=content, timeout=TIMEOUT_S,
+                          headers={**_auth_for(path), "Content-Type": "application/json"})
+        seen[resp.status_code] += 1
+        _count_answer("hypothesis", resp.status_code, resp.headers.get("content-type", ""))
+        assert resp.status_code < 500, (body, raw, resp.status_code, resp.text[:300])
+        if resp.status_code >= 400:
+            assert set(resp.json()["error"]) >= {"message", "type", "code"}, resp.text
+
+    run()
+    print(f"\n{path}: statuses {dict(seen)}")
+    assert sum(n for status, n in seen.items() if status < 300) > 0, seen  # some bodies reached the engine
+
+
+def test_after_fuzzing_the_app_still_serves_normally(app):
+    reply = client(app, FULL).chat.completions.create(
+        model=CHAT_MODEL, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
+    print(f"\nfuzz cases: {sum(CASES.values())} in all; answers {dict(sorted(ANSWERS.items()))}")
+    for name, count in sorted(CASES.items()):
+        print(f"  {count:4d}  {name}")
+
