@@ -80,7 +80,9 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
     accelerators = {m.name: _accelerator(m, cluster) for m in cfg.models}
     check_placement(cfg, cluster, accelerators)
     cpu_models = [m for m in cfg.models if accelerators[m.name] == "cpu"]
-    cpu_replicas = sum(m.most_replicas * m.most_running_versions for m in cpu_models)
+    # Models on shared cores own none: the others split the node among themselves.
+    cpu_replicas = sum(m.most_replicas * m.most_running_versions for m in cpu_models
+                       if m.cpu_cores_per_replica != "shared")
     cpu_cores = {m.name: _cpu_cores(m, cluster, cpu_replicas) for m in cpu_models}
     spare_cores = cluster.largest_node_cpus - sum(cpu_cores[m.name] * m.most_replicas * m.most_running_versions
                                                   for m in cpu_models)
@@ -108,7 +110,7 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
         assert cores is not None
         if surge == "auto":
             surge = 100 if cores * model.most_replicas <= spare_cores else 0
-        if cores < tp * pp:
+        if 0 < cores < tp * pp:
             raise ConfigError(f"models[{model.name}].cpu_cores_per_replica: {cores} cores cannot host "
                               f"{tp * pp} engine ranks (tensor_parallel_size {tp} x pipeline_parallel_size "
                               f"{pp}); give at least one core per rank")
@@ -274,8 +276,11 @@ def request_router_config(model: ModelConfig, accelerator: str, version: str = D
 
 
 def _cpu_cores(model: ModelConfig, cluster: ClusterView, cpu_replicas: int) -> int:
-    """Cores each CPU replica of `model` owns: as configured, or auto = the node split evenly."""
+    """Cores each CPU replica of `model` owns: as configured, auto = the node split evenly, shared = none
+    (0: the engine runs on all of the node's cores, beside the others)."""
     cores = model.cpu_cores_per_replica
+    if cores == "shared":
+        return 0
     if cores == "auto":
         ranks = model.engine.tensor_parallel_size * model.engine.pipeline_parallel_size
         return max(ranks, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
@@ -306,7 +311,8 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
         for version, plan in plans[model.name].items():
             log.info("model %s%s: %s replica(s) on %s%s", model.name,
                      f" version {version}" if model.versioned else "", count, plan["accelerator"],
-                     f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else "")
+                     f", {plan['cpu_cores']} core(s) each" if plan["cpu_cores"] else
+                     ", on shared cores" if plan["cpu_cores"] == 0 else "")
             servers[model.name][version] = (
                 serve.deployment(ModelServer)
                 .options(**plan["deployment"], logging_config=logs)

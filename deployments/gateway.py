@@ -43,6 +43,7 @@ from deployments.telemetry import (
     replicas_routable,
     wants_usage_chunk,
 )
+from deployments.tiering import Tiering
 from deployments.traffic import LiveVersions
 from ops import metrics as ops_metrics
 from ops.admission import AdmissionGate
@@ -247,6 +248,8 @@ class Gateway:
         self.access = AccessControl(self.config)  # reads the keys: a key that cannot be read stops us here
         limits = self.config.gateway.limits
         self.replica_limits = RequestLimits(max_tokens=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens)
+        self.tiering = Tiering(self.config) if self.config.tiers else None
+        self._background: set[asyncio.Task] = set()  # the tier monitor's comparisons, kept referenced
         setup_tracing(self.config.observability.tracing, "gateway")
         correlate_logs()
         self.servers = model_servers
@@ -310,17 +313,26 @@ class Gateway:
     async def list_models(self, request: Request) -> dict[str, Any]:
         """The models the caller's key may use."""
         caller = self.access.client(request.headers)
-        return {"object": "list",
-                "data": [self._model_card(m) for m in self.config.models if caller.may_use(m.name)]}
+        cards = [self._model_card(m) for m in self.config.models if caller.may_use(m.name)]
+        if self.tiering and any(caller.may_use(t.model) for t in self.tiering.router.tiers):
+            cards.append(self._tier_card())
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}", openapi_extra=_KEYED)
     async def get_model(self, model_id: str, request: Request) -> Response:
         caller = self.access.client(request.headers)
+        if self.tiering and model_id == self.tiering.name:
+            return JSONResponse(self._tier_card())
         model = self.config.find_model(model_id)
         if model is None:
             return _error(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
         self.access.check_model(caller, model.name)
         return JSONResponse(self._model_card(model))
+
+    def _tier_card(self) -> dict[str, Any]:
+        assert self.tiering is not None
+        return {"id": self.tiering.name, "object": "model", "created": self.created, "owned_by": "shunter",
+                "aliases": [], "task": "generate", "tiers": [t.name for t in self.tiering.router.tiers]}
 
     def _model_card(self, model: ModelConfig) -> dict[str, Any]:
         card = {"id": model.name, "object": "model", "created": self.created, "owned_by": "shunter",
@@ -388,6 +400,14 @@ class Gateway:
             return _error(400, "give the version to roll out to as 'to'", param="to", code="missing_field")
         return await self._control_call(model_id, "start", to=to, overrides=body)
 
+    @app.get("/admin/tiers")
+    async def tier_status(self, request: Request) -> Response:
+        """Tier routing: the tiers, the classes the monitor promoted, its windows."""
+        self.access.admin(request.headers)
+        if self.tiering is None:
+            return _error(404, "tier routing is off (no `tiers:` in the config)", code="tiers_off")
+        return JSONResponse(self.tiering.status())
+
     @app.put("/admin/models/{model_id:path}/weights")
     async def set_weights(self, model_id: str, request: Request) -> Response:
         """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
@@ -453,6 +473,10 @@ class Gateway:
         caller = self.access.client(request.headers)  # before the body is read: strangers cost nothing
         try:
             body = await self._read_json(request)
+            tier = None
+            if self.tiering is not None and body.get("model") == self.tiering.name:
+                tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
+                body["model"] = tier.tier.model
             model = self._resolve_model(body, endpoint)
         except BadRequest as bad:
             return bad.response
@@ -461,6 +485,8 @@ class Gateway:
         body["model"] = model.name  # the engine knows the canonical name only
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), wants_usage_chunk(body),
                                log_prompt=self._prompt_for_logs(body))
+        if tier is not None:
+            self._follow_tier(tier, endpoint, body, tel)
         try:
             ticket = self.access.admit(caller, model.name, endpoint, body)
         except ApiError as refused:
@@ -477,9 +503,70 @@ class Gateway:
                 response = _error(504, f"the request to model {model.name!r} did not finish within the request "
                                   f"timeout of {timeout:g}s", code="request_timeout")
         response.headers.update(ticket.headers)
+        if tier is not None:
+            response.headers.update(self.tiering.headers(tier))  # type: ignore[union-attr]
         if not isinstance(response, StreamingResponse):  # a stream finishes when its relay ends
             tel.finish(response.status_code)
         return response
+
+    def _follow_tier(self, tier: Any, endpoint: str, body: dict[str, Any], tel: RequestTelemetry) -> None:
+        """A tier-routed request: its decision on the trace, its tokens and cost when it ends, and, for a
+        sampled one, the monitor's comparison with the top tier once it has been answered."""
+        tiering = self.tiering
+        assert tiering is not None
+        tel.span.set_attributes({"shunter.tier": tier.tier.name, "shunter.tier.class": tier.request_class,
+                                 "shunter.tier.complexity": tier.complexity, "shunter.tier.reason": tier.reason})
+        tel.on_finish.append(lambda status, prompt, completion: tiering.finished(tier, status, prompt, completion))
+        if not tiering.sampled(tier):
+            return
+        tel.collect_text = True
+        asked = dict(body)
+
+        def compare(status: int | str, prompt: int, completion: int) -> None:
+            if str(status) != "200":
+                return
+            try:
+                task = asyncio.get_running_loop().create_task(
+                    tiering.judge(tier, endpoint, asked, "".join(tel.text), self._ask_internal))
+            except RuntimeError:  # finished outside the event loop (a dropped relay): skip the sample
+                return
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
+
+        tel.on_finish.append(compare)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("tier monitor: a comparison failed: %r", task.exception())
+
+    async def _ask_internal(self, model_name: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """One whole (not streamed) request of the platform's own, through the model's routing and
+        failover like any other; counted under endpoint `tier_monitor`. Skipped (None) when the model is
+        at its admission bound: monitoring never adds to an overload."""
+        model = self.config.find_model(model_name)
+        if model is None:
+            return None
+        versions = self._versions_for(model, None, body)
+        gate = self._gate(model)
+        if not versions or gate.try_admit(self._capacity(model)) is not None:
+            return None
+        tel = RequestTelemetry(model.name, "tier_monitor", {}, uuid.uuid4().hex)
+        status: int | str = 503
+        try:
+            routing = self._routing_state(model, versions[0])
+            started = await self._start(model, versions[0], routing, endpoint, body, tel.request_id, tel)
+            routing.finished(tel.request_id)
+            routing.record_outcome(started.replica, False)
+            status = started.head["status"]
+            tel.whole_reply(started.head["body"])
+            return started.head["body"] if status == 200 else None
+        except _VersionFailed as failed:
+            status = failed.response.status_code
+            return None
+        finally:
+            gate.release()
+            tel.finish(status)
 
     async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],
                      tel: RequestTelemetry) -> Response:
@@ -516,7 +603,7 @@ class Gateway:
         prompt = body.get("messages", body.get("prompt", body.get("input")))
         return json.dumps(prompt)[:4096]
 
-    def _versions_for(self, model: ModelConfig, request: Request, body: dict[str, Any],
+    def _versions_for(self, model: ModelConfig, request: Request | None, body: dict[str, Any],
                       skip_unavailable: bool = True) -> list[str]:
         """The version this request goes to under the live weights (a conversation keeps its version),
         then the other versions taking traffic, as fallbacks should it fail before its first byte.
@@ -526,7 +613,8 @@ class Gateway:
         else:
             view = self.traffic.view(model)
             user = body.get("user")
-            session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
+            header = request.headers.get(SESSION_HEADER) if request is not None else None
+            session = header or (user if isinstance(user, str) and user else None)
             chosen = choose_version(model.name, view.weights, session)
             others = [v for v, w in view.weights if w > 0 and v != chosen]
         ordered = [chosen, *others]

@@ -53,7 +53,7 @@ class ModelServer:
         production apps always run vLLM."""
         from deployments.engine_placement import engine_group
         from shunter.catalog import resolve_source
-        from shunter.cpu_cores import claim_cores
+        from shunter.cpu_cores import claim_cores, node_cores
         from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
         from shunter.placement import EngineLayout
 
@@ -67,7 +67,11 @@ class ModelServer:
         env: dict[str, str] = {}
         engine = self.model.engine
         layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
-        if accelerator == "cpu":
+        if accelerator == "cpu" and cpu_cores == 0:  # shared: no cores of its own (one rank, checked)
+            env = cpu_engine_env(engine.cpu_kv_cache_gib, ",".join(str(c) for c in node_cores()))
+            log.info("model %s replica %s (pid %d): engine on the node's shared cores (VLLM_CPU_OMP_THREADS_BIND=%s)",
+                     self.model.name, self.replica_id, os.getpid(), env["VLLM_CPU_OMP_THREADS_BIND"])
+        elif accelerator == "cpu":
             self._cores = claim_cores(cpu_cores or 1)
             # Every engine rank (TP x PP worker processes) computes on its own share of the cores.
             env = cpu_engine_env(engine.cpu_kv_cache_gib, self._cores.omp_bind(ranks=layout.devices))

@@ -93,6 +93,9 @@ class RequestTelemetry:
         self._route_span: trace.Span | None = None
         # Called once at the end with (status, prompt tokens, completion tokens): the caller's quota.
         self.on_finish: list[Callable[[int | str, int, int], None]] = []
+        # The answer's text (first choice), gathered only when asked: the tier monitor's samples.
+        self.collect_text = False
+        self.text: list[str] = []
 
     @property
     def trace_id(self) -> str | None:
@@ -152,6 +155,8 @@ class RequestTelemetry:
                 self._usage(data["usage"])
                 if not data.get("choices"):  # the final usage-only chunk
                     return text if self.client_wants_usage else None
+        if self.collect_text and text.startswith("data: {"):
+            self._collect(_event_json(text))
         if text.startswith("data: {"):
             self.streamed = True
             if self.first_token_at is None:
@@ -167,6 +172,8 @@ class RequestTelemetry:
         self.first_token_at = time.monotonic()
         if isinstance(body, dict) and isinstance(body.get("usage"), dict):
             self._usage(body["usage"])
+        if self.collect_text and isinstance(body, dict):
+            self._collect(body)
 
     def finish(self, status: int | str) -> None:
         """The request is over, with the status the client saw. Called once; later calls do nothing."""
@@ -219,6 +226,17 @@ class RequestTelemetry:
     def _usage(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    def _collect(self, data: dict[str, Any]) -> None:
+        """Text of the first choice of a reply or a stream chunk (chat delta or message, or completion text)."""
+        for choice in data.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            part = choice.get("delta") or choice.get("message") or {}
+            text = part.get("content") if isinstance(part, dict) else None
+            text = text if isinstance(text, str) else choice.get("text")
+            if isinstance(text, str):
+                self.text.append(text)
 
     def _leave_queue(self) -> None:
         if self._queued:

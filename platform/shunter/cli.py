@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
+    bench.add_parser("tiers", help="a mixed workload to `model: auto`: tier split and cost vs the top tier")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
 
     sub.add_parser("demo", help="serve a config, load it, render the dashboards' key panels to PNG "
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         from shunter.cli_demo import main as demo
 
         return demo(argv[1:])
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "placement", "suite"):
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("run", "compare", "overhead", "routing", "placement", "tiers",
+                                                           "suite"):
         return _bench(argv[1], argv[2:])  # each benchmark parses its own options
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
@@ -98,6 +100,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli_bench_placement import main as placement
 
         return placement(argv)
+    if action == "tiers":
+        from shunter.cli_bench_tiers import main as tiers
+
+        return tiers(argv)
     if action in ("overhead", "suite"):
         from shunter.cli_bench import main as overhead
         from shunter.cli_bench import suite_main

@@ -404,10 +404,12 @@ class ModelConfig(StrictModel):
         description="GPU only: the GPU type replicas need (Ray's accelerator_type, e.g. H100, A100-80G, L4). "
         "null = any GPU.",
     )
-    cpu_cores_per_replica: int | Literal["auto"] = Field(
+    cpu_cores_per_replica: int | Literal["auto", "shared"] = Field(
         default="auto",
         description="CPU only: cores each replica's engine is bound to. auto = a node's cores split "
-        "evenly among the app's CPU engine replicas (all of them when there is one).",
+        "evenly among the app's CPU engine replicas (all of them when there is one); shared = no cores of "
+        "its own: the engine runs on all of the node's cores beside the others (for a light model, such as "
+        "the embedding model a tier monitor uses, where a core of its own would be wasted).",
     )
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Requests one replica accepts at once (Ray Serve's per-replica cap)."
@@ -440,8 +442,16 @@ class ModelConfig(StrictModel):
     @classmethod
     def _cores_positive(cls, value: int | str) -> int | str:
         if isinstance(value, int) and value < 1:
-            raise ValueError("must be at least 1, or 'auto'")
+            raise ValueError("must be at least 1, 'auto' or 'shared'")
         return value
+
+    @model_validator(mode="after")
+    def _shared_cores_single_rank(self) -> ModelConfig:
+        if self.cpu_cores_per_replica == "shared" and any(
+                e.tensor_parallel_size * e.pipeline_parallel_size > 1 for e in [self.engine, *(v.engine for v in self.versions)]):
+            raise ValueError("cpu_cores_per_replica: shared runs one engine rank on the node's cores; a tensor or "
+                             "pipeline parallel engine needs cores of its own")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -692,6 +702,69 @@ class ClusterConfig(StrictModel):
         return self
 
 
+class TierConfig(StrictModel):
+    """One tier: a model, its price, and the hardest requests it takes."""
+
+    name: str = Field(pattern=VERSION_PATTERN, description="The tier's name (small, large); in headers and metrics.")
+    model: str = Field(description="The served model (name or alias) this tier sends to, and so its versions.")
+    cost_per_1k_prompt_tokens: float = Field(default=0.0, ge=0, description="Price of 1000 prompt tokens.")
+    cost_per_1k_completion_tokens: float = Field(default=0.0, ge=0, description="Price of 1000 generated tokens.")
+    max_complexity: float = Field(
+        default=1.0, ge=0, le=1,
+        description="The classifier's complexity score (0 to 1) this tier takes at most; a request goes to the "
+        "first tier whose bound it is under. The last tier takes everything left (its bound is not used).",
+    )
+
+
+class TierMonitorConfig(StrictModel):
+    """Re-asks a share of lower-tier requests of the top tier, in the background, and promotes request
+    classes whose answers fall short of it."""
+
+    sample_ratio: float = Field(
+        default=0.0, ge=0, le=1,
+        description="Share of answered lower-tier requests re-asked of the top tier (0 = monitor off).",
+    )
+    embedding_model: str | None = Field(
+        default=None,
+        description="A served embedding model (task: embed) whose cosine similarity of the two answers is "
+        "their agreement. Required when sample_ratio > 0.",
+    )
+    agreement_threshold: float = Field(
+        default=0.8, ge=0, le=1,
+        description="A class whose mean agreement over the window falls below this is promoted one tier.",
+    )
+    min_samples: int = Field(default=10, ge=1, description="Samples a class needs in the window before it is judged.")
+    window_s: float = Field(default=900.0, gt=0, description="How far back a class's samples count, seconds.")
+
+
+class TiersConfig(StrictModel):
+    """Complexity-tier routing: requests to `model_name` go to the cheapest tier that can handle them."""
+
+    model_name: str = Field(
+        default="auto", pattern=NAME_PATTERN, description="The `model` clients send to be routed by complexity."
+    )
+    levels: list[TierConfig] = Field(
+        min_length=2, description="The tiers, cheapest first; the last is the top tier (the reference)."
+    )
+    monitor: TierMonitorConfig = Field(
+        default_factory=TierMonitorConfig, description="The quality monitor (off by default)."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TiersConfig:
+        names = [t.name for t in self.levels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names repeat: {names}")
+        bounds = [t.max_complexity for t in self.levels[:-1]]
+        if bounds != sorted(bounds) or len(set(bounds)) != len(bounds):
+            raise ValueError(f"levels[*].max_complexity must rise from tier to tier (got {bounds}): the cheapest "
+                             "tier takes the simplest requests")
+        if self.monitor.sample_ratio > 0 and not self.monitor.embedding_model:
+            raise ValueError("monitor.embedding_model: the monitor compares answers by embedding; name a served "
+                             "embedding model (task: embed), or set monitor.sample_ratio to 0")
+        return self
+
+
 KEY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 _INLINE_KEY_FIELDS = ("key", "api_key", "secret", "token", "value")
 
@@ -794,6 +867,9 @@ class ShunterConfig(StrictModel):
     auth: AuthConfig = Field(
         default_factory=AuthConfig, description="API keys, admin keys and per-key quotas (default: open, loudly)."
     )
+    tiers: TiersConfig | None = Field(
+        default=None, description="Complexity-tier routing behind one model name (`auto`); null = off."
+    )
     model_cache_dir: str | None = Field(
         default=None,
         description="Where builtin models are prepared. null = $SHUNTER_CACHE_DIR, else "
@@ -811,12 +887,28 @@ class ShunterConfig(StrictModel):
                         "every name and alias must be unique"
                     )
                 seen[name] = model.name
+        if self.tiers is not None:
+            self._check_tiers(self.tiers, seen)
         for key in self.auth.keys:
             unknown = [m for m in key.models if self.find_model(m) is None]
             if unknown:
                 raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models or aliases; "
                                  f"served: {[m.name for m in self.models]}")
         return self
+
+    def _check_tiers(self, tiers: TiersConfig, names: dict[str, str]) -> None:
+        if tiers.model_name in names:
+            raise ValueError(f"tiers.model_name {tiers.model_name!r} is already a model name or alias of "
+                             f"{names[tiers.model_name]!r}; pick another name for tier routing")
+        for tier in tiers.levels:
+            model = self.find_model(tier.model)
+            if model is None or model.task != "generate":
+                raise ValueError(f"tiers.levels[{tier.name}].model: {tier.model!r} is not a served generative model")
+        if len({self.find_model(t.model).name for t in tiers.levels}) != len(tiers.levels):  # type: ignore[union-attr]
+            raise ValueError("tiers.levels: two tiers send to the same model; each tier needs its own")
+        embed = tiers.monitor.embedding_model
+        if embed is not None and (self.find_model(embed) is None or self.find_model(embed).task != "embed"):  # type: ignore[union-attr]
+            raise ValueError(f"tiers.monitor.embedding_model: {embed!r} is not a served embedding model (task: embed)")
 
     def find_model(self, name: str) -> ModelConfig | None:
         for model in self.models:

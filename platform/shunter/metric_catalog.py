@@ -87,6 +87,22 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_auth_failures_total", "counter", ("reason",),
                "Requests refused at the door: missing_key, malformed_header, invalid_key (401); "
                "model_not_allowed, client_key_on_admin, admin_key_on_api (403).", "gateway"),
+    # ---- complexity tiers (`model: auto`) -------------------------------------------------------------
+    MetricSpec("shunter_tier_requests_total", "counter", ("tier", "class", "reason"),
+               "Requests to the tier name by the tier chosen, the request's class and why (complexity, "
+               "promoted, hint, allowed).", "gateway"),
+    MetricSpec("shunter_tier_tokens_total", "counter", ("tier", "kind"),
+               "Tokens of answered tier-routed requests: kind prompt or completion.", "gateway"),
+    MetricSpec("shunter_tier_cost_total", "counter", ("tier", "basis"),
+               "Estimated cost of answered tier-routed requests at the config's prices: basis routed (the "
+               "tier that served them) or top_tier (had every one gone to the top tier).", "gateway"),
+    MetricSpec("shunter_tier_agreement", "histogram", ("tier", "class"),
+               "The quality monitor's agreement (cosine similarity of answer embeddings) between a lower "
+               "tier's answer and the top tier's.", "gateway", RATIO_BUCKETS),
+    MetricSpec("shunter_tier_promotions_total", "counter", ("class", "from_tier", "to_tier"),
+               "Request classes promoted a tier up by the quality monitor.", "gateway"),
+    MetricSpec("shunter_tier_class_floor", "gauge", ("class",),
+               "The lowest tier (0-based) a promoted request class may use.", "gateway"),
     # ---- routing, in the gateway's routers ---------------------------------------------------
     MetricSpec("shunter_routing_decisions_total", "counter", (*_MV, "policy", "reason"),
                "Routing decisions by reason: prefix_hit, load_fallback, least_loaded, breaker_skip, retry "

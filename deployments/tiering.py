@@ -1,0 +1,169 @@
+"""The gateway's side of complexity tiers: `model: auto` resolved to a tier's model, the decision shown
+in headers and the trace, tokens and estimated cost per tier, and the quality monitor's sampling and
+judgement. The decisions themselves are routing/tiers.py's; the monitor's requests are sent by the
+gateway (it owns the handles), through the `ask` callable it gives `judge`.
+
+Promotions live in each gateway replica's memory: they start from the config at every gateway start,
+and with several gateway replicas each learns from the samples it took.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from routing.tiers import (
+    HINT_HEADER,
+    AgreementMonitor,
+    Decision,
+    NoTierAllowed,
+    Tier,
+    TierRouter,
+    cosine,
+    features,
+)
+from shunter.config import ShunterConfig, TiersConfig
+from shunter.errors import ApiError
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+
+log = logging.getLogger("ray.serve")
+
+TIER_HEADER = "x-shunter-tier"  # the tier that served the request (also the hint header's name)
+TIER_REASON_HEADER = "x-shunter-tier-reason"  # class, complexity, why this tier, the model
+_NAMES = ("shunter_tier_requests_total", "shunter_tier_tokens_total", "shunter_tier_cost_total",
+          "shunter_tier_agreement", "shunter_tier_promotions_total", "shunter_tier_class_floor")
+_record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
+# Sampling parameters the monitor's reference request drops: the top tier answers greedily, once.
+_REFERENCE_DROPS = ("stream", "stream_options", "n", "best_of", "seed", "temperature", "top_p", "top_k",
+                    "logprobs", "top_logprobs", "user", "presence_penalty", "frequency_penalty")
+
+Ask = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+
+
+class Tiering:
+    def __init__(self, cfg: ShunterConfig, rng: random.Random | None = None):
+        assert cfg.tiers is not None
+        self.config: TiersConfig = cfg.tiers
+        self.name = self.config.model_name
+        tiers = [Tier(t.name, cfg.find_model(t.model).name, t.max_complexity,  # type: ignore[union-attr]
+                      t.cost_per_1k_prompt_tokens, t.cost_per_1k_completion_tokens) for t in self.config.levels]
+        self.router = TierRouter(tiers)
+        monitor = self.config.monitor
+        self.monitor = AgreementMonitor(monitor.agreement_threshold, monitor.min_samples, monitor.window_s,
+                                        self.router.top)
+        self.embedding_model = (cfg.find_model(monitor.embedding_model).name  # type: ignore[union-attr]
+                                if monitor.embedding_model else None)
+        self._rng = rng or random.Random()
+        log.info("tier routing on `%s`: %s", self.name, ", ".join(f"{t.name}={t.model} (<= {t.max_complexity:g})"
+                                                                  for t in tiers))
+
+    @property
+    def top(self) -> Tier:
+        return self.router.tiers[-1]
+
+    def classify(self, endpoint: str, body: dict[str, Any], headers: Mapping[str, str],
+                 allowed: Callable[[str], bool]) -> Decision:
+        """The tier for a request to the tier name. Raises ApiError: 400 for embeddings or an unknown
+        hint, 403 when the caller may use no tier."""
+        if endpoint == "embedding":
+            raise ApiError(400, f"model {self.name!r} routes chat and completion requests by complexity; "
+                           "embeddings name their model", param="model", code="model_not_supported")
+        hint = headers.get(HINT_HEADER)
+        if hint is not None and self.router.level_of(hint) is None:
+            raise ApiError(400, f"{HINT_HEADER}: {hint!r} is not a tier; tiers: "
+                           f"{', '.join(t.name for t in self.router.tiers)}", code="unknown_tier")
+        try:
+            decision = self.router.choose(features(body), hint, allowed)
+        except NoTierAllowed:
+            raise ApiError(403, f"this API key may use none of the models behind {self.name!r}", param="model",
+                           code="model_not_allowed") from None
+        labels = {"tier": decision.tier.name, "class": decision.request_class, "reason": decision.reason}
+        _record(lambda m: m["shunter_tier_requests_total"].inc(1, tags=labels))
+        return decision
+
+    def headers(self, decision: Decision) -> dict[str, str]:
+        return {TIER_HEADER: decision.tier.name, TIER_REASON_HEADER: decision.explain()}
+
+    def sampled(self, decision: Decision) -> bool:
+        """Whether the monitor re-asks this request of the top tier (decided before it is sent, so the
+        answer's text is collected only for these)."""
+        ratio = self.config.monitor.sample_ratio
+        return ratio > 0 and decision.level < self.router.top and self._rng.random() < ratio
+
+    def finished(self, decision: Decision, status: int | str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Tokens and estimated cost, on the tier that served it and as if the top tier had."""
+        if not str(status).startswith("2"):
+            return
+        tier, top = decision.tier, self.top
+
+        def record(m: dict[str, Any]) -> None:
+            for kind, tokens in (("prompt", prompt_tokens), ("completion", completion_tokens)):
+                if tokens:
+                    m["shunter_tier_tokens_total"].inc(tokens, tags={"tier": tier.name, "kind": kind})
+            m["shunter_tier_cost_total"].inc(tier.cost(prompt_tokens, completion_tokens),
+                                             tags={"tier": tier.name, "basis": "routed"})
+            m["shunter_tier_cost_total"].inc(top.cost(prompt_tokens, completion_tokens),
+                                             tags={"tier": tier.name, "basis": "top_tier"})
+
+        _record(record)
+
+    async def judge(self, decision: Decision, endpoint: str, body: dict[str, Any], answer: str, ask: Ask) -> float | None:
+        """Ask the top tier the same request (greedily), compare the two answers by embedding, record the
+        agreement, promote the class when its window falls short. Returns the agreement (None when a
+        step could not be done: the monitor then skips the sample)."""
+        reference_body = {k: v for k, v in body.items() if k not in _REFERENCE_DROPS}
+        reference_body.update(model=self.top.model, temperature=0)
+        reply = await ask(self.top.model, endpoint, reference_body)
+        reference = answer_text(reply) if reply else None
+        if reference is None or not answer.strip() or not reference.strip() or self.embedding_model is None:
+            return None
+        vectors = await ask(self.embedding_model, "embedding", {"model": self.embedding_model,
+                                                                 "input": [answer, reference]})
+        try:
+            first, second = (item["embedding"] for item in vectors["data"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None
+        agreement = max(0.0, cosine(first, second))
+        return self.record_agreement(decision, agreement)
+
+    def record_agreement(self, decision: Decision, agreement: float) -> float:
+        klass, tier = decision.request_class, decision.tier.name
+        _record(lambda m: m["shunter_tier_agreement"].observe(agreement, tags={"tier": tier, "class": klass}))
+        promotion = self.monitor.record(klass, decision.level, agreement)
+        if promotion is not None:
+            self.router.promote(klass, promotion.to_level)
+            to = self.router.tiers[promotion.to_level].name
+            log.warning("tier monitor: class %s promoted from tier %s to %s: mean agreement %.3f with the top tier "
+                        "over %d samples, below %.3f", klass, tier, to, promotion.agreement, promotion.samples,
+                        self.config.monitor.agreement_threshold)
+
+            def record(m: dict[str, Any]) -> None:
+                m["shunter_tier_promotions_total"].inc(1, tags={"class": klass, "from_tier": tier, "to_tier": to})
+                m["shunter_tier_class_floor"].set(promotion.to_level, tags={"class": klass})
+
+            _record(record)
+        return agreement
+
+    def status(self) -> dict[str, Any]:
+        tiers = self.router.tiers
+        return {"model_name": self.name,
+                "tiers": [{"name": t.name, "model": t.model, "max_complexity": t.max_complexity} for t in tiers],
+                "promotions": {k: tiers[level].name for k, level in self.router.floors.items()},
+                "monitor": {"sample_ratio": self.config.monitor.sample_ratio,
+                            "agreement_threshold": self.config.monitor.agreement_threshold,
+                            "windows": self.monitor.summary()}}
+
+
+def answer_text(reply: dict[str, Any]) -> str | None:
+    """The first choice's text of a chat or completion reply."""
+    try:
+        choice = reply["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return message["content"]
+    return choice.get("text") if isinstance(choice, dict) and isinstance(choice.get("text"), str) else None
