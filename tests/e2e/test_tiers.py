@@ -20,7 +20,7 @@ import yaml
 
 from tests.integration.fake_app import fake_engine_app
 
-from .live import ROOT, scrape_until, wait_ready
+from .live import ROOT, metric_total, scrape_until, wait_ready
 
 pytestmark = pytest.mark.own_cluster
 
@@ -126,10 +126,15 @@ def test_tier_metrics_count_requests_cost_and_promotions(app):
     import ray
 
     port = ray._private.worker._global_node.metrics_export_port
-    text = scrape_until(f"http://127.0.0.1:{port}/metrics", [
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = scrape_until(url, [
         ("ray_shunter_tier_requests_total", {"tier": "small"}),
-        ("ray_shunter_tier_cost_total", {"basis": "top_tier"}),
+        ("ray_shunter_tier_tokens_total", {"tier": "large", "kind": "completion"}),
         ("ray_shunter_tier_promotions_total", {"class": "math"}),
         ("ray_shunter_tier_agreement_count", {"class": "simple"}),
     ])
     assert 'endpoint="tier_monitor"' in text  # the monitor's own requests are told apart
+    text = scrape_until(url, [("ray_shunter_tier_cost_total", {"basis": "top_tier"}),
+                              ("ray_shunter_tier_cost_total", {"basis": "routed"})], at_least=1e-9)
+    routed = metric_total(text, "ray_shunter_tier_cost_total", basis="routed")
+    assert 0 < routed < metric_total(text, "ray_shunter_tier_cost_total", basis="top_tier")  # small tier was cheaper
