@@ -1,8 +1,10 @@
 """Gateway: the HTTP ingress. OpenAI endpoints, input checks, model resolution, streaming, errors.
 
-What the gateway decides itself, before any engine sees the request: body size (413), encoding and
-JSON syntax (400), the `model` field (400 missing, 404 unknown), and whether the model serves this
-endpoint (400). Everything about the request's content (messages, sampling parameters, context
+What the gateway decides itself, before any engine sees the request: who is calling and what they may
+use (401, 403: deployments.access, checked before the body is read), body size (413), encoding and
+JSON syntax (400), the `model` field (400 missing, 404 unknown; `model: auto` resolved to a tier by
+deployments.tiering), whether the model serves this endpoint (400), the request limits (400) and the
+caller's quota (429). Everything about the request's content (messages, sampling parameters, context
 length) is checked by vLLM's own request models inside the replica, which answers OpenAI-shaped errors
 with their status. Every error leaves here as `{"error": {...}}`; nothing leaks a pydantic dump.
 """
