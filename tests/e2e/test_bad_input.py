@@ -64,8 +64,11 @@ CHAT_BODIES = {
     "empty message list": ({"model": CHAT_MODEL, "messages": []}, 400, None, "empty"),
     "max_tokens zero": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     "max_tokens negative": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": -3}, 400, "max_tokens", ""),
-    "max_tokens beyond context": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": 100_000}, 400, "max_tokens",
+    # configs/local.yaml: a 2048-token context under the platform's default limit of 4096 generated tokens.
+    "max_tokens beyond context": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": 3000}, 400, "max_tokens",
                                   "max_model_len"),
+    "max_tokens beyond the platform limit": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": 100_000}, 400,
+                                             "max_tokens", "at most 4096"),
     "max_tokens mistyped": ({"model": CHAT_MODEL, "messages": HI, "max_tokens": "ten"}, 400, "max_tokens", ""),
     "temperature too high": ({"model": CHAT_MODEL, "messages": HI, "temperature": 7}, 400, "temperature", ""),
     "temperature negative": ({"model": CHAT_MODEL, "messages": HI, "temperature": -1}, 400, "temperature", ""),
