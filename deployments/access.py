@@ -73,7 +73,6 @@ class AccessControl:
 
     def __init__(self, cfg: ShunterConfig, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.cfg = cfg
         self.limits: LimitsConfig = cfg.gateway.limits
         self.ring = KeyRing.load(cfg.auth, lambda name: cfg.find_model(name).name, environ)  # type: ignore[union-attr]
         self._share = 1.0 / cfg.gateway.replicas
@@ -87,10 +86,6 @@ class AccessControl:
             log.info("API keys: %d client key(s) (%s), %d admin key(s)%s", len(clients),
                      ", ".join(f"{c.name}={c.key_id}" for c in clients), len(admins),
                      "" if admins else "; /admin is closed to everyone (no admin key configured)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.ring.enabled
 
     # ---- who is calling --------------------------------------------------------------------------
 
@@ -119,13 +114,14 @@ class AccessControl:
 
     def _identify(self, headers: Mapping[str, str]) -> Caller:
         authorization = headers.get("authorization")
+        if not authorization:
+            _auth_failure("missing_key")
+            raise ApiError(401, "no API key: send it as the header `Authorization: Bearer <key>`",
+                           code="missing_api_key", headers=_CHALLENGE)
         token = bearer_token(authorization)
         if token is None:
-            reason = "missing_key" if not authorization else "malformed_header"
-            _auth_failure(reason)
-            message = ("no API key: send it as the header `Authorization: Bearer <key>`" if not authorization
-                       else "the Authorization header must be `Bearer <key>`")
-            raise ApiError(401, message, code="missing_api_key" if not authorization else "invalid_api_key",
+            _auth_failure("malformed_header")
+            raise ApiError(401, "the Authorization header must be `Bearer <key>`", code="invalid_api_key",
                            headers=_CHALLENGE)
         caller = self.ring.identify(token)
         if caller is None:

@@ -52,6 +52,7 @@ from ops.admission import AdmissionGate
 from ops.draining import DrainTracker
 from routing.failover import ReplicaFailure, with_failover
 from routing.state import DeploymentRouting, deployment_key, routing_state
+from routing.tiers import Decision
 from routing.versions import choose_version
 from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
 from shunter.errors import ApiError, error_body
@@ -234,13 +235,6 @@ class _VersionFailed(Exception):
         self.response = response
 
 
-class BadRequest(Exception):
-    """A client error found while reading the request; carries its ready response."""
-
-    def __init__(self, response: JSONResponse):
-        self.response = response
-
-
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
@@ -393,10 +387,7 @@ class Gateway:
         """Body: {"to": VERSION} plus any of the model's `rollout` settings to use for this rollout only
         (steps, hold_s, max_hold_s, ready_timeout_s, gates)."""
         self.access.admin(request.headers)
-        try:
-            body = await self._read_json(request)
-        except BadRequest as bad:
-            return bad.response
+        body = await self._read_json(request)
         to = body.pop("to", None)
         if not isinstance(to, str):
             return _error(400, "give the version to roll out to as 'to'", param="to", code="missing_field")
@@ -415,10 +406,7 @@ class Gateway:
         """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
         retired. Refused while a rollout of the model is in progress."""
         self.access.admin(request.headers)
-        try:
-            body = await self._read_json(request)
-        except BadRequest as bad:
-            return bad.response
+        body = await self._read_json(request)
         weights = body.get("weights")
         if not isinstance(weights, dict) or not all(isinstance(w, int | float) and not isinstance(w, bool)
                                                     for w in weights.values()):
@@ -473,15 +461,12 @@ class Gateway:
 
     async def _forward(self, request: Request, endpoint: str) -> Response:
         caller = self.access.client(request.headers)  # before the body is read: strangers cost nothing
-        try:
-            body = await self._read_json(request)
-            tier = None
-            if self.tiering is not None and body.get("model") == self.tiering.name:
-                tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
-                body["model"] = tier.tier.model
-            model = self._resolve_model(body, endpoint)
-        except BadRequest as bad:
-            return bad.response
+        body = await self._read_json(request)
+        tier = None
+        if self.tiering is not None and body.get("model") == self.tiering.name:
+            tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
+            body["model"] = tier.tier.model
+        model = self._resolve_model(body, endpoint)
         self.access.check_model(caller, model.name)
         self.access.check_limits(endpoint, body)
         body["model"] = model.name  # the engine knows the canonical name only
@@ -511,7 +496,7 @@ class Gateway:
             tel.finish(response.status_code)
         return response
 
-    def _follow_tier(self, tier: Any, endpoint: str, body: dict[str, Any], tel: RequestTelemetry) -> None:
+    def _follow_tier(self, tier: Decision, endpoint: str, body: dict[str, Any], tel: RequestTelemetry) -> None:
         """A tier-routed request: its decision on the trace, its tokens and cost when it ends, and, for a
         sampled one, the monitor's comparison with the top tier once it has been answered."""
         tiering = self.tiering
@@ -554,21 +539,13 @@ class Gateway:
         if not versions or gate.try_admit(self._capacity(model)) is not None:
             return None
         tel = RequestTelemetry(model.name, "tier_monitor", {}, uuid.uuid4().hex)
-        status: int | str = 503
-        try:
-            routing = self._routing_state(model, versions[0])
-            started = await self._start(model, versions[0], routing, endpoint, body, tel.request_id, tel)
-            routing.finished(tel.request_id)
-            routing.record_outcome(started.replica, False)
-            status = started.head["status"]
-            tel.whole_reply(started.head["body"])
-            return started.head["body"] if status == 200 else None
-        except _VersionFailed as failed:
-            status = failed.response.status_code
-            return None
+        response: Response | None = None
+        try:  # the same path as a client's whole reply: versions, failover, breakers, outcome records
+            response = await self._admitted(model, endpoint, body, versions, gate, tel)
         finally:
             gate.release()
-            tel.finish(status)
+            tel.finish(response.status_code if response is not None else 503)
+        return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],
                      tel: RequestTelemetry) -> Response:
@@ -900,55 +877,55 @@ class Gateway:
         limit = self.config.gateway.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(_error(413, f"request body is {declared} bytes; the limit is {limit}",
-                                    code="request_too_large"))
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}",
+                           code="request_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise BadRequest(_error(413, f"request body exceeds the limit of {limit} bytes",
-                                        code="request_too_large"))
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
+                               code="request_too_large")
             chunks.append(chunk)
         raw = b"".join(chunks)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise BadRequest(_error(400, f"request body is not valid UTF-8 (byte {exc.start})",
-                                    code="invalid_encoding")) from None
+            raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})",
+                           code="invalid_encoding") from None
         if not text.strip():
-            raise BadRequest(_error(400, "request body is empty; send a JSON object", code="invalid_json"))
+            raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
         try:
             body = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise BadRequest(_error(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
-                                         f"column {exc.colno}", code="invalid_json")) from None
+            raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                f"column {exc.colno}", code="invalid_json") from None
         except (ValueError, RecursionError) as exc:  # a number past 4300 digits, nesting past the parser's depth
-            raise BadRequest(_error(400, f"request body is not acceptable JSON: {str(exc)[:120]}",
-                                    code="invalid_json")) from None
+            raise ApiError(400, f"request body is not acceptable JSON: {str(exc)[:120]}",
+                           code="invalid_json") from None
         if _nesting_depth(body) > MAX_JSON_DEPTH:
             # Deeper structures serve no OpenAI request and would strain every layer that walks them.
-            raise BadRequest(_error(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
-                                    code="invalid_json"))
+            raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json")
         if not isinstance(body, dict):
-            raise BadRequest(_error(400, f"request body must be a JSON object, got {type(body).__name__}",
-                                    code="invalid_json"))
+            raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}",
+                           code="invalid_json")
         return body
 
     def _resolve_model(self, body: dict[str, Any], endpoint: str) -> ModelConfig:
         name = body.get("model")
         if name is None:
-            raise BadRequest(_error(400, "missing required field 'model'", param="model", code="missing_field"))
+            raise ApiError(400, "missing required field 'model'", param="model", code="missing_field")
         if not isinstance(name, str):
-            raise BadRequest(_error(400, f"'model' must be a string, got {type(name).__name__}", param="model",
-                                    code="invalid_type"))
+            raise ApiError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
+                           code="invalid_type")
         model = self.config.find_model(name)
         if model is None:
             known = ", ".join(m.name for m in self.config.models)
-            raise BadRequest(_error(404, f"model {name!r} does not exist; served models: {known}", param="model",
-                                    code="model_not_found"))
+            raise ApiError(404, f"model {name!r} does not exist; served models: {known}", param="model",
+                           code="model_not_found")
         if _ENDPOINT_TASK[endpoint] != model.task:
             what = "an embedding model; use /v1/embeddings" if model.task == "embed" else \
                 "a generative model; use /v1/chat/completions or /v1/completions"
-            raise BadRequest(_error(400, f"model {model.name!r} is {what}", param="model",
-                                    code="model_not_supported"))
+            raise ApiError(400, f"model {model.name!r} is {what}", param="model",
+                           code="model_not_supported")
         return model

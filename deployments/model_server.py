@@ -127,8 +127,7 @@ class ModelServer:
             # vLLM refuses max_tokens past the context length and trims it to what the prompt leaves.
             body = {**body, "max_tokens": min(limits.max_tokens, self.engine.max_model_len())}
         if limits.max_prompt_tokens is not None:
-            count = getattr(self.engine, "count_prompt_tokens", None)
-            tokens = await asyncio.to_thread(count, request.endpoint, body) if count else None
+            tokens = await asyncio.to_thread(self.engine.count_prompt_tokens, request.endpoint, body)
             if tokens is not None and tokens > limits.max_prompt_tokens:
                 param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
                 return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "

@@ -156,7 +156,7 @@ class RequestTelemetry:
                 if not data.get("choices"):  # the final usage-only chunk
                     return text if self.client_wants_usage else None
         if self.collect_text and text.startswith("data: {"):
-            self._collect(_event_json(text))
+            self.text.append(choice_text(_event_json(text)) or "")
         if text.startswith("data: {"):
             self.streamed = True
             if self.first_token_at is None:
@@ -173,7 +173,7 @@ class RequestTelemetry:
         if isinstance(body, dict) and isinstance(body.get("usage"), dict):
             self._usage(body["usage"])
         if self.collect_text and isinstance(body, dict):
-            self._collect(body)
+            self.text.append(choice_text(body) or "")
 
     def finish(self, status: int | str) -> None:
         """The request is over, with the status the client saw. Called once; later calls do nothing."""
@@ -227,17 +227,6 @@ class RequestTelemetry:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = int(usage.get("completion_tokens") or 0)
 
-    def _collect(self, data: dict[str, Any]) -> None:
-        """Text of the first choice of a reply or a stream chunk (chat delta or message, or completion text)."""
-        for choice in data.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            part = choice.get("delta") or choice.get("message") or {}
-            text = part.get("content") if isinstance(part, dict) else None
-            text = text if isinstance(text, str) else choice.get("text")
-            if isinstance(text, str):
-                self.text.append(text)
-
     def _leave_queue(self) -> None:
         if self._queued:
             self._queued = False
@@ -260,6 +249,17 @@ class RequestTelemetry:
         count = _in_flight[(self.model, self.version)]
         _record(lambda m: m["shunter_requests_in_flight"].set(count, tags={"model": self.model,
                                                                            "version": self.version}))
+
+
+def choice_text(data: dict[str, Any]) -> str | None:
+    """The text of choice 0 in a reply or a stream chunk: a chat message or delta, or a completion's text."""
+    for choice in data.get("choices") or ():
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue
+        part = choice.get("delta") or choice.get("message")
+        text = part.get("content") if isinstance(part, dict) else choice.get("text")
+        return text if isinstance(text, str) else None
+    return None
 
 
 def _event_json(text: str) -> dict[str, Any]:

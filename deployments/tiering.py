@@ -14,8 +14,8 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from deployments.telemetry import choice_text
 from routing.tiers import (
-    HINT_HEADER,
     AgreementMonitor,
     Decision,
     NoTierAllowed,
@@ -31,7 +31,7 @@ from shunter.ray_metrics import LazyMetrics
 
 log = logging.getLogger("ray.serve")
 
-TIER_HEADER = "x-shunter-tier"  # the tier that served the request (also the hint header's name)
+TIER_HEADER = "x-shunter-tier"  # the tier that served the request; on a request, the tier a client asks for
 TIER_REASON_HEADER = "x-shunter-tier-reason"  # class, complexity, why this tier, the model
 _NAMES = ("shunter_tier_requests_total", "shunter_tier_tokens_total", "shunter_tier_cost_total",
           "shunter_tier_agreement", "shunter_tier_promotions_total", "shunter_tier_class_floor")
@@ -71,9 +71,9 @@ class Tiering:
         if endpoint == "embedding":
             raise ApiError(400, f"model {self.name!r} routes chat and completion requests by complexity; "
                            "embeddings name their model", param="model", code="model_not_supported")
-        hint = headers.get(HINT_HEADER)
+        hint = headers.get(TIER_HEADER)
         if hint is not None and self.router.level_of(hint) is None:
-            raise ApiError(400, f"{HINT_HEADER}: {hint!r} is not a tier; tiers: "
+            raise ApiError(400, f"{TIER_HEADER}: {hint!r} is not a tier; tiers: "
                            f"{', '.join(t.name for t in self.router.tiers)}", code="unknown_tier")
         try:
             decision = self.router.choose(features(body), hint, allowed)
@@ -117,7 +117,7 @@ class Tiering:
         reference_body = {k: v for k, v in body.items() if k not in _REFERENCE_DROPS}
         reference_body.update(model=self.top.model, temperature=0)
         reply = await ask(self.top.model, endpoint, reference_body)
-        reference = answer_text(reply) if reply else None
+        reference = choice_text(reply) if reply else None
         if reference is None or not answer.strip() or not reference.strip() or self.embedding_model is None:
             return None
         vectors = await ask(self.embedding_model, "embedding", {"model": self.embedding_model,
@@ -155,15 +155,3 @@ class Tiering:
                 "monitor": {"sample_ratio": self.config.monitor.sample_ratio,
                             "agreement_threshold": self.config.monitor.agreement_threshold,
                             "windows": self.monitor.summary()}}
-
-
-def answer_text(reply: dict[str, Any]) -> str | None:
-    """The first choice's text of a chat or completion reply."""
-    try:
-        choice = reply["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        return None
-    message = choice.get("message") if isinstance(choice, dict) else None
-    if isinstance(message, dict) and isinstance(message.get("content"), str):
-        return message["content"]
-    return choice.get("text") if isinstance(choice, dict) and isinstance(choice.get("text"), str) else None

@@ -96,10 +96,6 @@ class KeyQuota:
         capacity = max(1.0, per_minute * self.share)
         return TokenBucket(capacity, capacity / 60.0, clock)
 
-    @property
-    def limited(self) -> bool:
-        return self.requests is not None or self.tokens is not None
-
     def admit(self, reservation: int) -> QuotaDecision:
         """Take one request and reserve `reservation` tokens, or take nothing and say why not."""
         if self.tokens is not None and reservation > self.tokens.capacity:

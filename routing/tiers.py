@@ -33,8 +33,6 @@ from typing import Any
 
 SCAN_CHARS = 20_000  # markers are searched in the first characters of the prompt only: bounded cost
 LONG_PROMPT_TOKENS = 2000
-CLASSES = ("simple", "long", "reasoning", "math", "code")
-HINT_HEADER = "x-shunter-tier"  # a client may name the tier it wants
 
 _CODE = re.compile(r"```|^\s*(def|class|import|from|#include|public|fn|func|package)\b|\bfunction\s*\(|=>|;\s*$|"
                    r"\b(python|javascript|typescript|sql|rust|golang|c\+\+|java|regex|bash|code|function|bug|"

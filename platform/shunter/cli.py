@@ -154,7 +154,7 @@ def load_app_configs(path: Path) -> list[tuple[str, Any]]:
         except ConfigError as exc:
             raise SystemExit(f"{path}: application {name!r} (applications[{index}].args): {exc}") from None
         env_vars = (app.get("runtime_env") or {}).get("env_vars") or {}
-        in_file = sorted({k.key_env for k in [*cfg.auth.keys, *cfg.auth.admin_keys] if k.key_env in env_vars})
+        in_file = sorted(set(cfg.auth.env_vars) & set(env_vars))
         if in_file:
             raise SystemExit(f"{path}: application {name!r}: runtime_env.env_vars sets {', '.join(in_file)}, an API "
                              "key: that writes the key into the config file and, in plain text, into Ray's "

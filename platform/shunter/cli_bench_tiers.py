@@ -59,7 +59,7 @@ async def _drive(base: str, bodies: list[dict[str, Any]], concurrency: int) -> l
             began = time.perf_counter()
             try:
                 resp = await http.post("/v1/chat/completions", json=sent)
-                usage = resp.json().get("usage") or {} if resp.status_code == 200 else {}
+                usage = (resp.json().get("usage") or {}) if resp.status_code == 200 else {}
                 records.append({"kind": body["_kind"], "status": resp.status_code,
                                 "tier": resp.headers.get("x-shunter-tier"),
                                 "reason": resp.headers.get("x-shunter-tier-reason", ""),

@@ -844,6 +844,11 @@ class AuthConfig(StrictModel):
     def enabled(self) -> bool:
         return bool(self.keys or self.admin_keys)
 
+    @property
+    def env_vars(self) -> list[str]:
+        """The environment variables the keys are read from (client and admin)."""
+        return [k.key_env for k in [*self.keys, *self.admin_keys] if k.key_env]
+
     @model_validator(mode="after")
     def _names_unique(self) -> AuthConfig:
         names = [k.name for k in [*self.keys, *self.admin_keys]]

@@ -38,17 +38,12 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
     serve["proxy_location"] = "EveryNode"
     serve["http_options"] = {**serve.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
     groups = _worker_groups([cfg for _, cfg in apps], image)
-    if any(k.key_env for _, cfg in apps for k in [*cfg.auth.keys, *cfg.auth.admin_keys]):
+    head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
+    if any(cfg.auth.env_vars for _, cfg in apps):
         # The gateway may run on any node: every container gets the keys. Not optional: a missing Secret
         # holds the pods back with a clear event rather than starting an open gateway.
-        for container in _containers(groups):
+        for container in [head, *(c for group in groups for c in group["template"]["spec"]["containers"])]:
             container["envFrom"] = [{"secretRef": {"name": API_KEYS_SECRET}}]
-        head_env = [{"secretRef": {"name": API_KEYS_SECRET}}]
-    else:
-        head_env = None
-    head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
-    if head_env:
-        head["envFrom"] = head_env
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/part-of": "shunter"}}
     if namespace:
         metadata["namespace"] = namespace
@@ -111,10 +106,6 @@ def _worker_groups(configs: list[ShunterConfig], image: str) -> list[dict[str, A
             "template": _pod(_container("ray-worker", image, cpus=cpu_pods["cores"], memory_gib=4 * cpu_pods["cores"])),
         })
     return groups
-
-
-def _containers(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [c for group in groups for c in group["template"]["spec"]["containers"]]
 
 
 def _accelerator(accelerator: str, cfg: ShunterConfig) -> str:

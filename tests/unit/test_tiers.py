@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from deployments.tiering import Tiering, answer_text
+from deployments.telemetry import choice_text
+from deployments.tiering import Tiering
 from routing.tiers import AgreementMonitor, NoTierAllowed, Tier, TierRouter, cosine, features
 from shunter.config import ConfigError, parse_config
 
@@ -112,10 +113,12 @@ def test_cosine():
     assert cosine([0, 0], [1, 1]) == 0.0
 
 
-def test_answer_text_of_chat_and_completion_replies():
-    assert answer_text({"choices": [{"message": {"content": "Paris"}}]}) == "Paris"
-    assert answer_text({"choices": [{"text": "Paris"}]}) == "Paris"
-    assert answer_text({"choices": []}) is None and answer_text({}) is None
+def test_choice_text_of_chat_and_completion_replies_and_chunks():
+    assert choice_text({"choices": [{"message": {"content": "Paris"}}]}) == "Paris"
+    assert choice_text({"choices": [{"index": 0, "delta": {"content": "Pa"}}]}) == "Pa"
+    assert choice_text({"choices": [{"index": 1, "delta": {"content": "x"}}]}) is None
+    assert choice_text({"choices": [{"text": "Paris"}]}) == "Paris"
+    assert choice_text({"choices": []}) is None and choice_text({}) is None
 
 
 # ---- config and the gateway's side --------------------------------------------------------------------
