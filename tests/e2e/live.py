@@ -16,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
 CHAT_MODEL = "smollm2-135m-instruct"
 EMBED_MODEL = "all-minilm-l6-v2"
+# What the e2e tests ask the chat model, expecting "Paris". SmolLM2-135M in bfloat16 is numerically
+# fragile: after its default system prompt, "What is the capital of France?" alone answers Paris on
+# CPUs without AMX and in float32, but drifts to "L'Étoile, la Marseillaise, ..." on CPUs whose bfloat16
+# kernels use AMX. With "Answer in one sentence." every one of them answers "The capital of France is Paris."
+CAPITAL_QUESTION = "What is the capital of France? Answer in one sentence."
 APP_NAME = "shunter"
 READY_TIMEOUT_S = 600
 

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shunter.auth import key_id, new_key
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
-from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL, wait_ready
 
 pytestmark = pytest.mark.own_cluster
 
@@ -70,7 +70,7 @@ def app(exclusive_machine, tmp_path_factory) -> Iterator[str]:
     # env from a Secret, gives them), not in a runtime_env: Ray's runtime-env agent logs its env_vars.
     os.environ.update(ENV)
     try:
-        with fake_engine_app(_args(key_file), APP) as base:
+        with local_app(_args(key_file), APP) as base:
             wait_ready(base)
             yield base
     finally:
@@ -85,7 +85,7 @@ def client(base: str, key: str) -> openai.OpenAI:
 def chat(base: str, key: str | None, model: str = CHAT_MODEL, **extra: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=TIMEOUT_S, json={
-        "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "model": model, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
         "max_tokens": 8, "temperature": 0, **extra})
 
 
@@ -122,7 +122,7 @@ def test_a_key_restricted_to_one_model_sees_and_uses_only_that_model(app):
         restricted.embeddings.create(model=EMBED_MODEL, input="hello")
     assert caught.value.code == "model_not_allowed"
     reply = restricted.chat.completions.create(model="smollm2", max_tokens=8, temperature=0,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                               messages=[{"role": "user", "content": CAPITAL_QUESTION}])
     assert "Paris" in reply.choices[0].message.content
 
 
@@ -339,7 +339,7 @@ def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
 def test_after_fuzzing_the_app_still_serves_normally(app):
     reply = client(app, FULL).chat.completions.create(
         model=CHAT_MODEL, max_tokens=8, temperature=0,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        messages=[{"role": "user", "content": CAPITAL_QUESTION}])
     assert "Paris" in reply.choices[0].message.content
     print(f"\nfuzz cases: {sum(CASES.values())} in all; answers {dict(sorted(ANSWERS.items()))}")
     for name, count in sorted(CASES.items()):

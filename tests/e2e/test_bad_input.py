@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from .live import CHAT_MODEL, EMBED_MODEL
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -148,6 +148,6 @@ def test_official_client_raises_typed_errors(live_app):
 
 def test_platform_still_serves_after_bad_input(live_app):
     resp = live_app.openai().chat.completions.create(
-        model=CHAT_MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=30,
+        model=CHAT_MODEL, messages=[{"role": "user", "content": CAPITAL_QUESTION}], max_tokens=30,
         temperature=0)
     assert "Paris" in resp.choices[0].message.content

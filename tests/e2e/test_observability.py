@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port, wait_ready
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 from tests.otlp_receiver import OTLPReceiver
 from tests.rollout_client import start_rollout, wait_done
 
@@ -65,7 +65,7 @@ class Live:
 def live(exclusive_machine) -> Iterator[Live]:
     metrics_port = free_port()
     with OTLPReceiver() as receiver, \
-            fake_engine_app(_args(receiver.endpoint), APP, metrics_port=metrics_port) as base:
+            local_app(_args(receiver.endpoint), APP, metrics_port=metrics_port) as base:
         wait_ready(base)
         yield Live(base, f"http://127.0.0.1:{metrics_port}/metrics", receiver)
 

@@ -6,9 +6,9 @@ import math
 
 import httpx
 
-from .live import CHAT_MODEL, EMBED_MODEL
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": CAPITAL_QUESTION}]
 
 
 def test_models_lists_both(live_app):

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .live import LiveApp, free_port, wait_ready
+from .live import CAPITAL_QUESTION, LiveApp, free_port, wait_ready
 
 pytestmark = pytest.mark.own_cluster
 
@@ -143,7 +143,7 @@ def test_pipeline_parallel_2_answers_as_one_rank_does(cluster):
     assert _answers(app, "smol") == reference["smol"]
     assert "Paris" in app.openai().chat.completions.create(
         model="smol", max_tokens=16, temperature=0,
-        messages=[{"role": "user", "content": "What is the capital of France?"}]).choices[0].message.content
+        messages=[{"role": "user", "content": CAPITAL_QUESTION}]).choices[0].message.content
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_anything_starts(cluster):

@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 
-from .live import CHAT_MODEL, EMBED_MODEL
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
 
 def _ready(app) -> dict:
@@ -44,6 +44,6 @@ def test_killed_replica_is_replaced_without_leaking_engine_or_cores(live_app):
     assert set(new["cpu_cores"]).isdisjoint(after[EMBED_MODEL]["cpu_cores"])
 
     resp = live_app.openai().chat.completions.create(
-        model=CHAT_MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=30,
+        model=CHAT_MODEL, messages=[{"role": "user", "content": CAPITAL_QUESTION}], max_tokens=30,
         temperature=0)
     assert "Paris" in resp.choices[0].message.content

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.fake_app import fake_engine_app
+from tests.e2e.live import CAPITAL_QUESTION
+from tests.integration.local_app import local_app
 from tests.rollout_client import Load, start_rollout, timeline, wait_done
 
 pytestmark = pytest.mark.own_cluster
@@ -42,7 +43,7 @@ ARGS = {
 def app(exclusive_machine) -> Iterator[str]:
     from tests.e2e.live import wait_ready
 
-    with fake_engine_app(ARGS, APP) as base:
+    with local_app(ARGS, APP) as base:
         wait_ready(base)
         yield base
 
@@ -76,7 +77,7 @@ def test_a_real_version_is_promoted_without_losing_a_request(app):
     for seen in load.conversations().values():
         assert seen == sorted(seen, key=lambda v: v == "v2"), f"a conversation went back: {seen}"
     reply = httpx.post(f"{app}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "model": MODEL, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
         "max_tokens": 20, "temperature": 0})
     assert reply.headers["x-shunter-version"] == "v2" and "Paris" in reply.json()["choices"][0]["message"]["content"]
 

@@ -18,14 +18,14 @@ import openai
 import pytest
 import yaml
 
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
-from .live import ROOT, metric_total, scrape_until, wait_ready
+from .live import CAPITAL_QUESTION, ROOT, metric_total, scrape_until, wait_ready
 
 pytestmark = pytest.mark.own_cluster
 
 APP = "tiers-e2e"
-SIMPLE = "What is the capital of France?"
+SIMPLE = CAPITAL_QUESTION
 CODE = "Write a Python function that reverses a string."
 MATH = "Solve for x: 3x + 7 = 22"
 
@@ -39,7 +39,7 @@ def _args() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def app(exclusive_machine) -> Iterator[str]:
-    with fake_engine_app(_args(), APP) as base:
+    with local_app(_args(), APP) as base:
         wait_ready(base)
         yield base
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port, running_replicas, scrape_until, wait_replicas
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
 APP = "admission"
 COLD_START_TIMEOUT_S = 15
@@ -54,7 +54,7 @@ def app(tmp_path_factory) -> Iterator[Admission]:
          "autoscaling": {"min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 2,
                          "cold_start_timeout_s": COLD_START_TIMEOUT_S}},
     ]}
-    with fake_engine_app(args, APP, env={"SHUNTER_FAULT_DIR": str(control)}, metrics_port=metrics_port) as base:
+    with local_app(args, APP, env={"SHUNTER_FAULT_DIR": str(control)}, metrics_port=metrics_port) as base:
         yield Admission(base, control, f"http://127.0.0.1:{metrics_port}/metrics")
 
 

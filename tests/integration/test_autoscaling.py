@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import running_replicas, wait_replicas
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
 APP, DEPLOYMENT = "autoscaled", "model-elastic"
 
@@ -26,7 +26,7 @@ def elastic() -> Iterator[str]:
         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
                         "upscale_delay_s": 2, "downscale_delay_s": 5},
     }]}
-    with fake_engine_app(args, APP) as base:
+    with local_app(args, APP) as base:
         yield base
 
 

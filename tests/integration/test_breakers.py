@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port, scrape_until
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
 FAILURES_TO_OPEN = 2
 COOLDOWN_S = 3.0
@@ -74,7 +74,7 @@ def duo(tmp_path_factory) -> Iterator[Duo]:
             },
         }],
     }
-    with fake_engine_app(args, "breakers", env={"SHUNTER_FAULT_DIR": str(control)},
+    with local_app(args, "breakers", env={"SHUNTER_FAULT_DIR": str(control)},
                          metrics_port=metrics_port) as base:
         app = Duo(base, control)
         app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.fake_app import ROOT
+from tests.integration.local_app import ROOT
 
 CONTEXT = {"model": "smol", "fingerprint": "f1", "versions": ["v1", "v2"], "file_weights": [["v1", 100.0], ["v2", 0.0]],
            "deployments": {"v1": "model-smol--v1", "v2": "model-smol--v2"}, "ready_replicas": 1, "rollout": {}}

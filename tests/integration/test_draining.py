@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port, scrape_until
-from tests.integration.fake_app import FACTORY, fake_engine_app
+from tests.integration.local_app import FACTORY, local_app
 
 APP = "draining"
 DRAIN_S = 6
@@ -66,7 +66,7 @@ def _stream(base: str, seconds: float) -> Outcome:
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[str, str]]:
     metrics_port = free_port()
-    with fake_engine_app(_args(2), APP, metrics_port=metrics_port) as base:
+    with local_app(_args(2), APP, metrics_port=metrics_port) as base:
         yield base, f"http://127.0.0.1:{metrics_port}/metrics"
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.fake_app import fake_engine_app
+from tests.integration.local_app import local_app
 
 QUEUE_TIMEOUT_S = 3.0
 
@@ -33,7 +33,7 @@ def fault_app() -> Iterator[str]:
         "gateway": {"queue_timeout_s": QUEUE_TIMEOUT_S},
     }
     # Not blocking: the app as a whole never reaches RUNNING, since `broken` never starts.
-    with fake_engine_app(args, "faults", blocking=False) as base:
+    with local_app(args, "faults", blocking=False) as base:
         _wait(lambda: _ready_models(base).get("flaky", {}).get("ready") is True, 120, "flaky never became ready")
         yield base
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import free_port, wait_ready
-from tests.integration.fake_app import FACTORY, ROOT
+from tests.integration.local_app import FACTORY, ROOT
 
 GPUS_PER_NODE = (3, 2, 2)
 APP = "placement"

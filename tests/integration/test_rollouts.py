@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.fake_app import ROOT, fake_engine_app
+from tests.integration.local_app import ROOT, local_app
 from tests.rollout_client import Load, start_rollout, timeline, wait_done
 
 APP = "rollouts"
@@ -44,7 +44,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[str]:
-    with fake_engine_app(ARGS, APP) as base:
+    with local_app(ARGS, APP) as base:
         yield base
 
 

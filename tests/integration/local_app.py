@@ -1,4 +1,8 @@
-"""A local Ray cluster serving one Shunter app whose replicas run the FAKE engine (fault_engine.py)."""
+"""A local Ray cluster serving one Shunter app in this process, through fault_engine.py's factory.
+
+Which engine a model gets depends on its source: `fake:*` sources get the FAKE engine (fault tests),
+any other source the real vLLM engine (e2e tests of keys, tiers, observability and rollouts).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 
 
 @contextmanager
-def fake_engine_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
-                    metrics_port: int | None = None, blocking: bool = True) -> Iterator[str]:
+def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
+              metrics_port: int | None = None, blocking: bool = True) -> Iterator[str]:
     """Serve the Shunter config `args` as app `name` on a free port; yields its base URL.
 
     `blocking=False` returns before the app is RUNNING (for apps with a model that never starts)."""
