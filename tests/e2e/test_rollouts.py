@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.live import CAPITAL_QUESTION
 from tests.integration.local_app import local_app
 from tests.rollout_client import Load, start_rollout, timeline, wait_done
+
+from .live import CAPITAL_QUESTION
 
 pytestmark = pytest.mark.own_cluster
 
