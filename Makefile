@@ -74,8 +74,8 @@ check-config: install ## Validate CONFIG and print the resolved Shunter config
 plan: install ## Where CONFIG's replicas' GPUs would go, checked (NODES="2x8xH100" plans on other nodes)
 	$(BIN)/shunter plan $(CONFIG) $(foreach n,$(NODES),--nodes $(n))
 
-render-kuberay: install ## Re-render the RayService Terraform applies (terraform/envs/aws-eks) from configs/gpu-llama-8b.yaml
-	$(BIN)/shunter render kuberay configs/gpu-llama-8b.yaml -o terraform/envs/aws-eks/rayservice.yaml $(if $(IMAGE),--image $(IMAGE))
+render-kuberay: install ## Re-render the RayService both Terraform environments apply (terraform/rayservice.yaml) from configs/gpu-llama-8b.yaml
+	$(BIN)/shunter render kuberay configs/gpu-llama-8b.yaml -o terraform/rayservice.yaml $(if $(IMAGE),--image $(IMAGE))
 
 clean: ## Remove the virtualenv and caches (not the prepared models)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -23,7 +23,7 @@ RAY_VERSION = "2.60.0"
 SERVE_PORT = 8000
 METRICS_PORT = 8080  # Ray's metrics export port; the PodMonitor scrapes the port named `metrics`
 GPU_TAINT_KEY = "nvidia.com/gpu"
-ACCELERATOR_LABEL = "shunter.io/accelerator"  # set on GPU node groups by terraform/modules/eks-gpu-cluster
+ACCELERATOR_LABEL = "shunter.io/accelerator"  # set on GPU nodes by terraform/modules/{eks,gke}-gpu-cluster
 DEFAULT_CPU_POD_CORES = 8
 # Every Ray container reads this Secret's entries as environment variables (entry name = variable name),
 # so a config's `key_env` keys come from it; created by terraform/modules/shunter-service or kubectl.

@@ -1,7 +1,8 @@
-"""Static checks of terraform/ (no cloud account here): every file parses, variables are typed and
-described, providers, modules and charts are pinned, GPU nodes are tainted and Ray's GPU pods tolerate
-it, the RayService Terraform applies is the current rendering of its config, checkov passes, and
-`terraform fmt` / `validate` run where a terraform binary (and its provider registry) is reachable."""
+"""Static checks of terraform/ (no cloud account here): both environments (EKS, GKE) are complete, every
+file parses, variables are typed and described, providers, modules and charts are pinned, GPU nodes are
+tainted and labelled and Ray's GPU pods tolerate and select them, the RayService both environments apply
+is the current rendering of its config, checkov passes, and `terraform fmt` / `validate` run where a
+terraform binary (and its provider registry) is reachable."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from shunter.kuberay import RAY_VERSION, manifest_yaml, render_rayservice
 ROOT = Path(__file__).resolve().parents[2]
 TERRAFORM = ROOT / "terraform"
 TF_FILES = sorted(TERRAFORM.rglob("*.tf"))
-ENV = TERRAFORM / "envs" / "aws-eks"
+ENVS = {"aws-eks": "eks-gpu-cluster", "gcp-gke": "gke-gpu-cluster"}  # each environment and its cluster module
+RAYSERVICE = TERRAFORM / "rayservice.yaml"  # one rendering, applied by every environment
 ENV_CONFIG = ROOT / "configs" / "gpu-llama-8b.yaml"
 EXACT = re.compile(r"^=?\s*\d+\.\d+\.\d+$")
 CHECKOV = ROOT / ".venv" / "tools" / "checkov" / "bin" / "checkov"
@@ -71,13 +73,18 @@ def _walk(node: Any):
             yield from _walk(value)
 
 
-def test_there_is_a_complete_eks_environment_made_of_modules():
-    assert (ENV / "main.tf").exists() and (ENV / "variables.tf").exists() and (ENV / "outputs.tf").exists()
+@pytest.mark.parametrize("env", sorted(ENVS))
+def test_each_environment_is_complete_and_made_of_modules(env):
+    path = TERRAFORM / "envs" / env
+    assert (path / "main.tf").exists() and (path / "variables.tf").exists() and (path / "outputs.tf").exists()
     assert (TERRAFORM / "README.md").exists()
-    modules = {p.parent.name for p in (TERRAFORM / "modules").rglob("main.tf")}
-    assert {"eks-gpu-cluster", "kuberay-operator", "monitoring", "shunter-service"} <= modules
-    outputs = {name for path, name, _ in _blocks("output") if path.parent == ENV}
+    used = {Path(_text(body["source"])).name for p, _, body in _blocks("module") if p.parent == path}
+    assert {ENVS[env], "kuberay-operator", "monitoring", "shunter-service"} <= used, used
+    assert all((TERRAFORM / "modules" / name / "main.tf").exists() for name in used)
+    outputs = {name for p, name, _ in _blocks("output") if p.parent == path}
     assert any("endpoint" in o for o in outputs) and any("grafana" in o for o in outputs), outputs
+    main = (path / "main.tf").read_text()
+    assert '"${path.module}/../../rayservice.yaml"' in main, "every environment applies the committed rendering"
 
 
 @pytest.mark.parametrize("path", TF_FILES, ids=[str(p.relative_to(TERRAFORM)) for p in TF_FILES])
@@ -112,14 +119,38 @@ def test_providers_modules_and_charts_are_pinned_exactly():
     assert _resources("helm_release"), "the operators come from pinned charts"
 
 
-def test_gpu_nodes_are_tainted_and_the_device_plugin_and_ray_gpu_pods_tolerate_it():
-    module = TERRAFORM / "modules" / "eks-gpu-cluster"
-    taints = [node for path in module.glob("*.tf") for node in _walk(_parsed(path))
+@pytest.mark.parametrize("module", sorted(ENVS.values()))
+def test_gpu_nodes_are_tainted_and_labelled_by_accelerator(module):
+    files = list((TERRAFORM / "modules" / module).glob("*.tf"))
+    taints = [node for path in files for node in _walk(_parsed(path))
               if isinstance(node, dict) and _text(node.get("key", "")) == "nvidia.com/gpu"]
-    assert any(_text(t.get("effect", "")) == "NO_SCHEDULE" for t in taints), "GPU node groups carry the taint"
+    assert any(_text(t.get("effect", "")) == "NO_SCHEDULE" for t in taints), "GPU nodes carry the taint"
+    # The label is set inside a for expression on EKS, which python-hcl2 leaves as text.
+    labelled = re.compile(r'"shunter\.io/accelerator"\s*=\s*[\w.]+\.accelerator\b')
+    assert any(labelled.search(path.read_text()) for path in files), "GPU nodes carry the label the GPU pods select"
+
+
+@pytest.mark.parametrize("env", sorted(ENVS))
+def test_each_environment_has_node_pools_for_the_rendered_gpu_pods_and_advertises_their_gpus(env):
+    path = TERRAFORM / "envs" / env
+    (pools,) = [body["default"] for p, name, body in _blocks("variable")
+                if p.parent == path and name in ("gpu_node_groups", "gpu_node_pools")]
+    offered = {_text(pool["accelerator"]) for pool in pools.values()}
+    manifest = yaml.safe_load(RAYSERVICE.read_text())
+    wanted = {group["template"]["spec"]["nodeSelector"]["shunter.io/accelerator"]
+              for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+              if "shunter.io/accelerator" in group["template"]["spec"].get("nodeSelector", {})}
+    assert wanted and wanted <= offered, (wanted, offered)
+    # EKS runs NVIDIA's device plugin chart; GKE installs the driver and its own plugin when asked to.
+    sources = {Path(_text(body["source"])).name for p, _, body in _blocks("module") if p.parent == path}
+    cluster_module = "\n".join(f.read_text() for f in (TERRAFORM / "modules" / ENVS[env]).glob("*.tf"))
+    assert "nvidia-device-plugin" in sources or "gpu_driver_installation_config" in cluster_module
+
+
+def test_the_device_plugin_and_ray_gpu_pods_tolerate_the_gpu_taint():
     plugin = " ".join(p.read_text() for p in (TERRAFORM / "modules").rglob("*.tf") if "device" in str(p))
     assert "nvidia.com/gpu" in plugin, "the NVIDIA device plugin tolerates the GPU taint"
-    manifest = yaml.safe_load((ENV / "rayservice.yaml").read_text())
+    manifest = yaml.safe_load(RAYSERVICE.read_text())
     for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         spec = group["template"]["spec"]
         if spec["containers"][0]["resources"]["limits"].get("nvidia.com/gpu"):
@@ -128,10 +159,10 @@ def test_gpu_nodes_are_tainted_and_the_device_plugin_and_ray_gpu_pods_tolerate_i
 
 def test_the_rayservice_terraform_applies_is_the_current_rendering_of_its_config():
     rendered = render_rayservice(yaml.safe_load(ENV_CONFIG.read_text()), load_app_configs(ENV_CONFIG), DEFAULT_IMAGE)
-    committed = yaml.safe_load((ENV / "rayservice.yaml").read_text())
-    assert committed == rendered, ("terraform/envs/aws-eks/rayservice.yaml is stale: "
+    committed = yaml.safe_load(RAYSERVICE.read_text())
+    assert committed == rendered, ("terraform/rayservice.yaml is stale: "
                                    "make render-kuberay (shunter render kuberay configs/gpu-llama-8b.yaml -o ...)")
-    assert manifest_yaml(rendered) in (ENV / "rayservice.yaml").read_text()
+    assert manifest_yaml(rendered) in RAYSERVICE.read_text()
 
 
 def test_the_image_carries_the_ray_version_the_manifest_names():
@@ -168,18 +199,21 @@ def test_terraform_fmt_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_terraform_validate(tmp_path):
+@pytest.mark.parametrize("env", sorted(ENVS))
+def test_terraform_validate(tmp_path, env):
     terraform = shutil.which("terraform")
     if not terraform:
         pytest.skip("no terraform binary on PATH: validate not run")
     work = tmp_path / "terraform"
     shutil.copytree(TERRAFORM, work)
     shutil.copytree(ROOT / "ops" / "grafana", tmp_path / "ops" / "grafana")
-    env = work / "envs" / "aws-eks"
-    init = subprocess.run([terraform, "init", "-backend=false", "-input=false", "-no-color"], cwd=env,
+    folder = work / "envs" / env
+    init = subprocess.run([terraform, "init", "-backend=false", "-input=false", "-no-color"], cwd=folder,
                           capture_output=True, text=True, timeout=300)
     if init.returncode != 0:
-        reason = init.stderr.strip().splitlines()[-1:] or ["unknown"]
-        pytest.skip(f"terraform init could not fetch providers and modules (no registry access?): {reason[0]}")
-    result = subprocess.run([terraform, "validate", "-no-color"], cwd=env, capture_output=True, text=True, timeout=300)
+        said = " ".join((init.stdout + init.stderr).split())
+        host = re.search(r"lookup ([\w.-]+)", said)
+        reason = f"{host.group(1)} is unreachable" if host else said[-200:]
+        pytest.skip(f"terraform init could not fetch providers and modules: {reason}")
+    result = subprocess.run([terraform, "validate", "-no-color"], cwd=folder, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,7 +5,7 @@
 
 locals {
   # path.module cannot appear in a variable's default; null means these.
-  rayservice_manifest_path = coalesce(var.rayservice_manifest_path, "${path.module}/rayservice.yaml")
+  rayservice_manifest_path = coalesce(var.rayservice_manifest_path, "${path.module}/../../rayservice.yaml")
   dashboards_manifest_path = coalesce(var.dashboards_manifest_path, "${path.module}/../../../ops/grafana/kubernetes/dashboards-configmaps.yaml")
 
   tags = merge({ project = "shunter", managed-by = "terraform" }, var.tags)
@@ -116,6 +116,11 @@ module "shunter" {
   hf_token                 = var.hf_token
   api_keys                 = var.api_keys
   ready_timeout            = var.rayservice_ready_timeout
+
+  load_balancer_annotations = {
+    # An NLB: its 350 s idle timeout outlasts long non-streamed generations (a classic ELB cuts at 60 s).
+    "service.beta.kubernetes.io/aws-load-balancer-type" = "nlb"
+  }
 
   # The RayService CRD comes with the operator; GPU workers need the device plugin and node autoscaling.
   depends_on = [module.kuberay_operator, module.nvidia_device_plugin, module.cluster_autoscaler]

@@ -1,6 +1,6 @@
 output "shunter_endpoint" {
   description = "Base URL of Shunter's OpenAI-compatible API (append /v1). Null until the load balancer has a hostname: apply again."
-  value       = module.shunter.serve_service_hostname == null ? null : "http://${module.shunter.serve_service_hostname}:8000"
+  value       = module.shunter.serve_service_address == null ? null : "http://${module.shunter.serve_service_address}:8000"
 }
 
 output "grafana_url" {

@@ -85,7 +85,7 @@ variable "gpu_node_groups" {
 
 variable "public_access_cidrs" {
   type        = list(string)
-  description = "CIDR blocks allowed to reach the Kubernetes API, the Shunter endpoint and Grafana. Narrow it: the endpoint has no authentication of its own."
+  description = "CIDR blocks allowed to reach the Kubernetes API, the Shunter endpoint and Grafana. Narrow it: API keys guard the endpoint, not the Kubernetes API or Grafana's login page."
   default     = ["0.0.0.0/0"]
 }
 
@@ -109,7 +109,7 @@ variable "monitoring_namespace" {
 
 variable "rayservice_manifest_path" {
   type        = string
-  description = "RayService manifest rendered by `shunter render kuberay` (null: rayservice.yaml in this directory)."
+  description = "RayService manifest rendered by `shunter render kuberay` (null: terraform/rayservice.yaml, the rendering of configs/gpu-llama-8b.yaml)."
   default     = null
 }
 

@@ -47,11 +47,8 @@ locals {
   public_serve_service = {
     serveService = {
       metadata = {
-        name = "${local.name}-serve-svc"
-        annotations = {
-          # An NLB: its 350 s idle timeout outlasts long non-streamed generations (a classic ELB cuts at 60 s).
-          "service.beta.kubernetes.io/aws-load-balancer-type" = "nlb"
-        }
+        name        = "${local.name}-serve-svc"
+        annotations = var.load_balancer_annotations
       }
       spec = {
         type                     = "LoadBalancer"
@@ -133,7 +130,7 @@ resource "kubernetes_manifest" "rayservice" {
   depends_on = [kubernetes_secret_v1.hf_token, kubernetes_secret_v1.api_keys]
 }
 
-# Read back after the RayService is Ready: KubeRay creates the serve Service, AWS its load balancer.
+# Read back after the RayService is Ready: KubeRay creates the serve Service, the cloud its load balancer.
 data "kubernetes_service_v1" "serve" {
   count = var.public_endpoint ? 1 : 0
 

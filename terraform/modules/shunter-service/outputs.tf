@@ -23,7 +23,10 @@ output "port_forward_command" {
   value       = "kubectl -n ${kubernetes_namespace_v1.this.metadata[0].name} port-forward svc/${local.name}-serve-svc 8000:8000"
 }
 
-output "serve_service_hostname" {
-  description = "The load balancer hostname of the serve Service (public_endpoint), once AWS has assigned it; else null."
-  value       = try(data.kubernetes_service_v1.serve[0].status[0].load_balancer[0].ingress[0].hostname, null)
+output "serve_service_address" {
+  description = "The load balancer address of the serve Service (public_endpoint) once the cloud has assigned it: a hostname on AWS, an IP on Google Cloud; else null."
+  value = try(coalesce(
+    data.kubernetes_service_v1.serve[0].status[0].load_balancer[0].ingress[0].hostname,
+    data.kubernetes_service_v1.serve[0].status[0].load_balancer[0].ingress[0].ip,
+  ), null)
 }

@@ -42,13 +42,19 @@ variable "hf_token_secret_name" {
 variable "public_endpoint" {
   type        = bool
   default     = false
-  description = "Make KubeRay's serve Service (port 8000) an AWS network load balancer reachable from public_source_ranges."
+  description = "Make KubeRay's serve Service (port 8000) a load balancer reachable from public_source_ranges."
+}
+
+variable "load_balancer_annotations" {
+  type        = map(string)
+  default     = {}
+  description = "Annotations of the public serve Service that choose the cloud's load balancer (on AWS: an NLB, whose 350 s idle timeout outlasts long non-streamed generations where a classic ELB cuts at 60 s)."
 }
 
 variable "public_source_ranges" {
   type        = list(string)
   default     = []
-  description = "CIDR ranges allowed to reach the public endpoint (the API has no authentication of its own)."
+  description = "CIDR ranges allowed to reach the public endpoint. Narrow them even with API keys configured."
 }
 
 variable "api_keys" {
