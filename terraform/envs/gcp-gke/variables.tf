@@ -53,6 +53,7 @@ variable "gpu_node_pools" {
     max_nodes     = number
     disk_size_gb  = number
     spot          = optional(bool, false)
+    zones         = optional(list(string)) # null: var.zones; every zone must offer gpu_type
   }))
   description = <<-EOT
     GPU node pools by short name. `accelerator` (the node label shunter.io/accelerator) must be the

@@ -29,7 +29,7 @@ locals {
 }
 
 resource "google_project_service" "this" {
-  for_each = toset(["compute.googleapis.com", "container.googleapis.com", "binaryauthorization.googleapis.com"])
+  for_each = toset(["compute.googleapis.com", "container.googleapis.com", "iam.googleapis.com", "binaryauthorization.googleapis.com"])
 
   project = var.project_id
   service = each.value
@@ -118,6 +118,8 @@ resource "google_service_account" "nodes" {
   project      = var.project_id
   account_id   = "${var.cluster_name}-nodes"
   display_name = "GKE nodes of ${var.cluster_name}"
+
+  depends_on = [google_project_service.this]
 }
 
 resource "google_project_iam_member" "nodes" {
@@ -197,7 +199,8 @@ resource "google_container_cluster" "this" {
     }
   }
 
-  # Dataplane V2 enforces Kubernetes network policies itself; the older Calico add-on stays off beside it.
+  # Dataplane V2 enforces Kubernetes network policies itself. The older Calico add-on cannot run beside
+  # it: the block says so explicitly (checkov's network-policy check reads it; the API receives nothing).
   datapath_provider = "ADVANCED_DATAPATH"
   network_policy {
     enabled = false
@@ -285,7 +288,8 @@ resource "google_container_node_pool" "gpu" {
   project            = var.project_id
   location           = var.region
   cluster            = google_container_cluster.this.id
-  initial_node_count = 0 # a GPU node runs only while Ray has a worker pod for it
+  node_locations     = each.value.zones # null: the cluster's zones
+  initial_node_count = 0                # a GPU node runs only while Ray has a worker pod for it
 
   autoscaling {
     total_min_node_count = each.value.min_nodes
@@ -328,7 +332,8 @@ resource "google_container_node_pool" "gpu" {
       }
     }
 
-    # GKE adds this taint to GPU nodes by itself; naming it keeps Terraform from seeing a change each plan.
+    # GKE taints GPU nodes by itself only while another pool exists; the default pool is gone and the
+    # system pool may come up after this one, so the taint is set here rather than left to GKE.
     taint {
       key    = local.gpu_taint.key
       value  = local.gpu_taint.value

@@ -77,11 +77,13 @@ variable "gpu_node_pools" {
     max_nodes     = number
     disk_size_gb  = number
     spot          = optional(bool, false)
+    zones         = optional(list(string))
   }))
   description = <<-EOT
     GPU node pools by short name (totals over the zones). gpu_type is GKE's accelerator name (nvidia-l4,
     nvidia-h100-80gb) and gpus_per_node what machine_type carries (g2-standard-8: 1, a3-highgpu-8g: 8).
     accelerator is the node label shunter.io/accelerator, the accelerator_type of the Shunter config.
+    zones (null: the cluster's) must all offer gpu_type, or GKE refuses the pool.
   EOT
 
   validation {
