@@ -73,18 +73,28 @@ def _walk(node: Any):
             yield from _walk(value)
 
 
+def _modules_used(folder: Path) -> set[str]:
+    """The local modules a folder calls, and the ones those call, by folder name."""
+    used: set[str] = set()
+    for path, _, body in _blocks("module"):
+        if path.parent == folder and _text(body["source"]).startswith("."):
+            called = (folder / _text(body["source"])).resolve()
+            assert (called / "main.tf").exists(), f"{path.relative_to(TERRAFORM)} calls a missing module {called}"
+            used |= {called.name} | _modules_used(called)
+    return used
+
+
 @pytest.mark.parametrize("env", sorted(ENVS))
 def test_each_environment_is_complete_and_made_of_modules(env):
     path = TERRAFORM / "envs" / env
     assert (path / "main.tf").exists() and (path / "variables.tf").exists() and (path / "outputs.tf").exists()
     assert (TERRAFORM / "README.md").exists()
-    used = {Path(_text(body["source"])).name for p, _, body in _blocks("module") if p.parent == path}
-    assert {ENVS[env], "kuberay-operator", "monitoring", "shunter-service"} <= used, used
-    assert all((TERRAFORM / "modules" / name / "main.tf").exists() for name in used)
+    used = _modules_used(path)
+    assert {ENVS[env], "shunter-platform", "kuberay-operator", "monitoring", "shunter-service"} <= used, used
     outputs = {name for p, name, _ in _blocks("output") if p.parent == path}
     assert any("endpoint" in o for o in outputs) and any("grafana" in o for o in outputs), outputs
-    main = (path / "main.tf").read_text()
-    assert '"${path.module}/../../rayservice.yaml"' in main, "every environment applies the committed rendering"
+    platform = (TERRAFORM / "modules" / "shunter-platform" / "main.tf").read_text()
+    assert '"${path.module}/../../rayservice.yaml"' in platform, "every environment applies the committed rendering"
 
 
 @pytest.mark.parametrize("path", TF_FILES, ids=[str(p.relative_to(TERRAFORM)) for p in TF_FILES])
@@ -142,9 +152,8 @@ def test_each_environment_has_node_pools_for_the_rendered_gpu_pods_and_advertise
               if "shunter.io/accelerator" in group["template"]["spec"].get("nodeSelector", {})}
     assert wanted and wanted <= offered, (wanted, offered)
     # EKS runs NVIDIA's device plugin chart; GKE installs the driver and its own plugin when asked to.
-    sources = {Path(_text(body["source"])).name for p, _, body in _blocks("module") if p.parent == path}
     cluster_module = "\n".join(f.read_text() for f in (TERRAFORM / "modules" / ENVS[env]).glob("*.tf"))
-    assert "nvidia-device-plugin" in sources or "gpu_driver_installation_config" in cluster_module
+    assert "nvidia-device-plugin" in _modules_used(path) or "gpu_driver_installation_config" in cluster_module
 
 
 def test_the_device_plugin_and_ray_gpu_pods_tolerate_the_gpu_taint():

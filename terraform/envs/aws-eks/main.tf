@@ -1,13 +1,10 @@
-# Shunter on EKS: the cluster and its GPU node groups, the operators (cluster autoscaler, NVIDIA device
-# plugin, KubeRay), monitoring with Shunter's dashboards, the RayService and a public endpoint.
+# Shunter on EKS: the cluster and its GPU node groups, what AWS needs for GPU pods (the cluster autoscaler,
+# NVIDIA's device plugin), and the platform (KubeRay, monitoring with Shunter's dashboards, the RayService
+# and a public endpoint).
 # kubernetes_manifest needs a reachable cluster and installed CRDs at plan time: the first apply goes in
 # three steps (see ../../README.md).
 
 locals {
-  # path.module cannot appear in a variable's default; null means these.
-  rayservice_manifest_path = coalesce(var.rayservice_manifest_path, "${path.module}/../../rayservice.yaml")
-  dashboards_manifest_path = coalesce(var.dashboards_manifest_path, "${path.module}/../../../ops/grafana/kubernetes/dashboards-configmaps.yaml")
-
   tags = merge({ project = "shunter", managed-by = "terraform" }, var.tags)
 
   # A short-lived token from the AWS CLI: nothing long-lived lands in the state.
@@ -82,55 +79,43 @@ module "nvidia_device_plugin" {
   depends_on = [module.cluster]
 }
 
-module "kuberay_operator" {
-  source = "../../modules/kuberay-operator"
+module "platform" {
+  source = "../../modules/shunter-platform"
 
-  namespace     = var.kuberay_namespace
-  node_selector = module.cluster.system_node_selector
-
-  depends_on = [module.cluster]
-}
-
-module "monitoring" {
-  source = "../../modules/monitoring"
-
-  namespace                           = var.monitoring_namespace
-  shunter_namespace                   = var.shunter_namespace
-  grafana_admin_password              = var.grafana_admin_password
-  grafana_service_type                = var.grafana_service_type
-  grafana_load_balancer_source_ranges = var.public_access_cidrs
-  dashboards_manifest_path            = local.dashboards_manifest_path
-  node_selector                       = module.cluster.system_node_selector
-
-  depends_on = [module.cluster]
-}
-
-module "shunter" {
-  source = "../../modules/shunter-service"
-
-  namespace                = var.shunter_namespace
-  rayservice_manifest_path = local.rayservice_manifest_path
-  image                    = var.shunter_image
-  public_endpoint          = true
-  public_source_ranges     = var.public_access_cidrs
-  hf_token                 = var.hf_token
-  api_keys                 = var.api_keys
-  ready_timeout            = var.rayservice_ready_timeout
-
+  system_node_selector = module.cluster.system_node_selector
+  public_access_cidrs  = var.public_access_cidrs
   load_balancer_annotations = {
     # An NLB: its 350 s idle timeout outlasts long non-streamed generations (a classic ELB cuts at 60 s).
     "service.beta.kubernetes.io/aws-load-balancer-type" = "nlb"
   }
+  shunter_namespace        = var.shunter_namespace
+  kuberay_namespace        = var.kuberay_namespace
+  monitoring_namespace     = var.monitoring_namespace
+  rayservice_manifest_path = var.rayservice_manifest_path
+  rayservice_ready_timeout = var.rayservice_ready_timeout
+  dashboards_manifest_path = var.dashboards_manifest_path
+  shunter_image            = var.shunter_image
+  hf_token                 = var.hf_token
+  api_keys                 = var.api_keys
+  grafana_admin_password   = var.grafana_admin_password
+  grafana_service_type     = var.grafana_service_type
 
-  # The RayService CRD comes with the operator; GPU workers need the device plugin and node autoscaling.
-  depends_on = [module.kuberay_operator, module.nvidia_device_plugin, module.cluster_autoscaler]
+  # Charts wait for their pods, which need the node groups; GPU workers need the device plugin and node autoscaling.
+  depends_on = [module.cluster, module.nvidia_device_plugin, module.cluster_autoscaler]
 }
 
-data "kubernetes_service_v1" "grafana" {
-  metadata {
-    name      = module.monitoring.grafana_service_name
-    namespace = module.monitoring.namespace
-  }
+# Where these lived before the platform became one module: existing state moves, nothing is recreated.
+moved {
+  from = module.kuberay_operator
+  to   = module.platform.module.kuberay_operator
+}
 
-  depends_on = [module.monitoring]
+moved {
+  from = module.monitoring
+  to   = module.platform.module.monitoring
+}
+
+moved {
+  from = module.shunter
+  to   = module.platform.module.shunter
 }

@@ -1,15 +1,11 @@
 # Shunter on GKE: the cluster and its GPU node pools (GKE installs the NVIDIA driver and device plugin and
-# autoscales the pools itself), KubeRay, monitoring with Shunter's dashboards, the RayService and a public
-# endpoint. The same RayService rendering as on EKS runs here: both clouds label GPU nodes
+# autoscales the pools itself), and the platform (KubeRay, monitoring with Shunter's dashboards, the
+# RayService and a public endpoint). The same RayService rendering as on EKS runs here: both clouds label GPU nodes
 # shunter.io/accelerator and taint them nvidia.com/gpu.
 # kubernetes_manifest needs a reachable cluster and installed CRDs at plan time: the first apply goes in
 # three steps (see ../../README.md).
 
 locals {
-  # path.module cannot appear in a variable's default; null means these.
-  rayservice_manifest_path = coalesce(var.rayservice_manifest_path, "${path.module}/../../rayservice.yaml")
-  dashboards_manifest_path = coalesce(var.dashboards_manifest_path, "${path.module}/../../../ops/grafana/kubernetes/dashboards-configmaps.yaml")
-
   # A short-lived token from gcloud's credential plugin: nothing long-lived lands in the state.
   kube_host = "https://${module.cluster.cluster_endpoint}"
   kube_ca   = base64decode(module.cluster.cluster_ca_certificate)
@@ -62,53 +58,24 @@ module "cluster" {
   labels                 = var.labels
 }
 
-module "kuberay_operator" {
-  source = "../../modules/kuberay-operator"
+module "platform" {
+  source = "../../modules/shunter-platform"
 
-  namespace     = var.kuberay_namespace
-  node_selector = module.cluster.system_node_selector
+  system_node_selector      = module.cluster.system_node_selector
+  public_access_cidrs       = var.public_access_cidrs
+  load_balancer_annotations = {} # GKE's default: an external passthrough network load balancer, no idle timeout
+  shunter_namespace         = var.shunter_namespace
+  kuberay_namespace         = var.kuberay_namespace
+  monitoring_namespace      = var.monitoring_namespace
+  rayservice_manifest_path  = var.rayservice_manifest_path
+  rayservice_ready_timeout  = var.rayservice_ready_timeout
+  dashboards_manifest_path  = var.dashboards_manifest_path
+  shunter_image             = var.shunter_image
+  hf_token                  = var.hf_token
+  api_keys                  = var.api_keys
+  grafana_admin_password    = var.grafana_admin_password
+  grafana_service_type      = var.grafana_service_type
 
   # Charts wait for their pods, which need the node pools up.
   depends_on = [module.cluster]
-}
-
-module "monitoring" {
-  source = "../../modules/monitoring"
-
-  namespace                           = var.monitoring_namespace
-  shunter_namespace                   = var.shunter_namespace
-  grafana_admin_password              = var.grafana_admin_password
-  grafana_service_type                = var.grafana_service_type
-  grafana_load_balancer_source_ranges = var.public_access_cidrs
-  dashboards_manifest_path            = local.dashboards_manifest_path
-  node_selector                       = module.cluster.system_node_selector
-
-  depends_on = [module.cluster]
-}
-
-module "shunter" {
-  source = "../../modules/shunter-service"
-
-  namespace                = var.shunter_namespace
-  rayservice_manifest_path = local.rayservice_manifest_path
-  image                    = var.shunter_image
-  # GKE's default for a LoadBalancer Service: an external passthrough network load balancer, which
-  # proxies nothing and so cuts no long generation; loadBalancerSourceRanges become firewall rules.
-  public_endpoint      = true
-  public_source_ranges = var.public_access_cidrs
-  hf_token             = var.hf_token
-  api_keys             = var.api_keys
-  ready_timeout        = var.rayservice_ready_timeout
-
-  # The RayService CRD comes with the operator.
-  depends_on = [module.kuberay_operator]
-}
-
-data "kubernetes_service_v1" "grafana" {
-  metadata {
-    name      = module.monitoring.grafana_service_name
-    namespace = module.monitoring.namespace
-  }
-
-  depends_on = [module.monitoring]
 }
