@@ -38,6 +38,7 @@ from deployments.openai_schema import (
     add_components,
     request_body,
 )
+from deployments.replica_admin import ReplicaAdmin
 from deployments.telemetry import (
     STREAM_ERROR,
     RequestTelemetry,
@@ -251,10 +252,12 @@ class Gateway:
         self.servers = model_servers
         self.created = int(time.time())
         any_handle = next(iter(next(iter(model_servers.values())).values()))
+        self._routing: dict[str, DeploymentRouting] = {}
         self.traffic = LiveVersions(any_handle.app_name, self.config,
                                     {m: {v: h.deployment_name for v, h in versions.items()}
-                                     for m, versions in model_servers.items()})
-        self._routing: dict[str, DeploymentRouting] = {}
+                                     for m, versions in model_servers.items()},
+                                    on_refresh=lambda state: self.replicas.apply_cordons(state, self.config.models))
+        self.replicas = ReplicaAdmin(self.traffic, model_servers, self._routing_state)
         self._gates: dict[str, AdmissionGate] = {}
         self._drains: dict[str, DrainTracker] = {}
         self._routable: dict[tuple[str, str], int] = {}  # last exported replica counts
@@ -413,6 +416,53 @@ class Gateway:
             return _error(400, "give 'weights' as an object of version: number", param="weights",
                           code="invalid_type")
         return await self._control_call(model_id, "weights", weights=[(str(v), float(w)) for v, w in weights.items()])
+
+    # ---- admin API: replicas (drain one: no new requests, then Ray Serve replaces it once idle) ---------
+
+    @app.get("/admin/models/{model_id:path}/replicas")
+    async def list_replicas(self, model_id: str, request: Request) -> Response:
+        """The model's running replicas as this gateway routes to them: version, cordoned, requests it
+        has in flight there, breaker state."""
+        self.access.admin(request.headers)
+        model = self._admin_model(model_id)
+        self.traffic.ensure_started()
+        await self.traffic.refresh_now()
+        return JSONResponse({"model": model.name, "replicas": await self.replicas.replicas(model)})
+
+    @app.post("/admin/models/{model_id:path}/replicas/{replica_id}/drain")
+    async def drain_replica(self, model_id: str, replica_id: str, request: Request) -> Response:
+        """Body (optional): {"replace": true, "timeout_s": the model's draining.timeout_s, "force": false}.
+        Cordons the replica on every gateway; with `replace`, Ray Serve replaces it once it holds no
+        request (at the latest after timeout_s). Refused for the last routable replica without `force`,
+        and while the model has a rollout in progress."""
+        self.access.admin(request.headers)
+        model = self._admin_model(model_id)
+        headers = request.headers
+        no_body = headers.get("content-length") == "0" or not ({"content-length", "transfer-encoding"} & set(headers))
+        body = {} if no_body else await self._read_json(request)
+        replace, force = body.get("replace", True), body.get("force", False)
+        within_s = body.get("timeout_s", model.draining.timeout_s)
+        if not isinstance(replace, bool) or not isinstance(force, bool):
+            return _error(400, "'replace' and 'force' are true or false", code="invalid_type")
+        if isinstance(within_s, bool) or not isinstance(within_s, int | float) or not 0 <= within_s <= 86400:
+            return _error(400, "'timeout_s' is a number of seconds from 0 to 86400", param="timeout_s",
+                          code="invalid_value")
+        self.traffic.ensure_started()
+        answer = await self.replicas.drain(model, replica_id, replace, float(within_s), force)
+        return JSONResponse(answer, status_code=202)
+
+    @app.delete("/admin/models/{model_id:path}/replicas/{replica_id}/drain")
+    async def release_replica(self, model_id: str, replica_id: str, request: Request) -> Response:
+        """Undo a drain: the replica takes new requests again and, if it was to retire, stays."""
+        self.access.admin(request.headers)
+        model = self._admin_model(model_id)
+        return JSONResponse(await self.replicas.release(model, replica_id))
+
+    def _admin_model(self, model_id: str) -> ModelConfig:
+        model = self.config.find_model(model_id)
+        if model is None:
+            raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return model
 
     async def _control_call(self, model_id: str, action: str, **kwargs: Any) -> Response:
         from ops.control import RolloutRefused

@@ -20,6 +20,7 @@ import asyncio
 import importlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,6 +65,7 @@ class ModelServer:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._cores = None
         self._group = None
+        self._retire: tuple[float, float] | None = None  # (not before, at the latest): see `retire`
         env: dict[str, str] = {}
         engine = self.model.engine
         layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
@@ -174,9 +176,27 @@ class ModelServer:
             "unfinished_requests": self.engine.num_unfinished_requests(),
         }
 
+    def retire(self, route: RouteHint | None, within_s: float | None, not_before_s: float | None) -> dict[str, Any]:
+        """An operator drains this replica (a pinned call; see deployments.replica_admin). From
+        `not_before_s` on, once the engine holds no request or `within_s` has passed, the health check
+        fails and Ray Serve replaces the replica, stopping it gracefully. `within_s` None cancels."""
+        now = time.monotonic()
+        self._retire = None if within_s is None else (now + (not_before_s or 0.0), now + within_s)
+        log.warning("model %s version %s replica %s: %s", self.model.name, self.version, self.replica_id,
+                    "retirement cancelled" if within_s is None else f"retires once idle, within {within_s:g}s")
+        return {"replica": self.replica_id, "retiring": self._retire is not None,
+                "unfinished_requests": self.engine.num_unfinished_requests()}
+
     async def check_health(self) -> None:
-        """Ray Serve's periodic health check: raises when the engine core is dead."""
+        """Ray Serve's periodic health check: raises when the engine core is dead, or when this replica
+        retires (an operator drained it) and holds nothing more."""
         await self.engine.check_health()
+        if self._retire is not None:
+            not_before, latest = self._retire
+            now, busy = time.monotonic(), self.engine.num_unfinished_requests()
+            if now >= not_before and (busy == 0 or now >= latest):
+                raise RuntimeError(f"replica {self.replica_id} retires: drained by an operator "
+                                   f"({busy} request(s) unfinished)")
 
     def __del__(self) -> None:
         task = getattr(self, "_metrics_task", None)

@@ -2,7 +2,8 @@
 rollout is under way, and the request outcomes that rollout's gates judge.
 
 The picture is refreshed from the cluster's control state (`ops.control`, Ray's key-value store) once
-a second, off the request path; a request only reads it. Until the first read, and whenever the store
+a second, off the request path; a request only reads it. The same read hands the replicas an operator
+drains to the routers (`deployments.replica_admin`). Until the first read, and whenever the store
 holds nothing newer for a model's current config, the config file's weights stand.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ops.control import ModelView, control, model_view, read_state
@@ -23,9 +25,11 @@ REFRESH_S = 1.0
 
 
 class LiveVersions:
-    def __init__(self, app: str, config: ShunterConfig, deployments: dict[str, dict[str, str]]):
-        """`deployments`: model -> version -> Ray deployment name."""
+    def __init__(self, app: str, config: ShunterConfig, deployments: dict[str, dict[str, str]],
+                 on_refresh: Callable[[dict[str, Any]], None] | None = None):
+        """`deployments`: model -> version -> Ray deployment name. `on_refresh` gets every state read."""
         self.app = app
+        self.on_refresh = on_refresh
         self.config = config
         self.deployments = deployments
         self.state: dict[str, Any] = {}
@@ -79,6 +83,9 @@ class LiveVersions:
         except Exception:  # noqa: BLE001 - the GCS briefly unreachable: serve with the last picture
             log.warning("could not read the control state of app %s; keeping the last one", self.app,
                         exc_info=True)
+            return
+        if self.on_refresh is not None:
+            self.on_refresh(self.state)
 
     # ---- background refresh --------------------------------------------------------------------------
 

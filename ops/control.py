@@ -1,7 +1,8 @@
 """The cluster-side state of a Shunter application, and the rollout controller that changes it.
 
 State (per application): for each model whose live state differs from its config file, the traffic
-weights of its versions and which versions run ("live"); and each model's latest rollout. It is kept in
+weights of its versions and which versions run ("live"); each model's latest rollout; and the replicas
+an operator drains ("cordoned", per deployment), which the gateways' routers send nothing new. It is kept in
 Ray's internal key-value store (held by the GCS, which KubeRay can make fault tolerant), written by one
 detached, named actor per application (`ShunterControl`), which also runs the rollouts.
 
@@ -69,6 +70,21 @@ def read_state(app: str) -> dict[str, Any]:
 
     raw = internal_kv._internal_kv_get(_key(app), namespace=_KV_NAMESPACE)
     return json.loads(raw) if raw else {}
+
+
+def cordoned(state: dict[str, Any], deployment: str) -> frozenset[str]:
+    """The replicas of `deployment` that an operator drains: routers send them nothing new."""
+    return frozenset((state.get("cordoned") or {}).get(deployment, ()))
+
+
+def with_cordon(state: dict[str, Any], deployment: str, replica: str, on: bool,
+                running: list[str]) -> dict[str, list[str]]:
+    """`state`'s cordons after cordoning (`on`) or releasing `replica`. Cordons of replicas that no
+    longer run are dropped here, so the set never outgrows the deployment."""
+    kept = {r for r in cordoned(state, deployment) if r in running}
+    kept = kept | {replica} if on else kept - {replica}
+    others = {d: rs for d, rs in (state.get("cordoned") or {}).items() if d != deployment}
+    return {**others, deployment: sorted(kept)} if kept else others
 
 
 @dataclass(frozen=True)
@@ -208,6 +224,15 @@ class ShunterControl:
         self._save()
         log.info("model %s: traffic weights set to %s by an operator", model, dict(weights))
         return self.state["models"][model]
+
+    async def cordon(self, deployment: str, replica: str, on: bool, running: list[str]) -> list[str]:
+        """Cordon (`on`) or release one replica of `deployment`, whose running replicas are `running`;
+        the deployment's cordoned replicas after it."""
+        self.state["cordoned"] = with_cordon(self.state, deployment, replica, on, running)
+        self._save()
+        log.info("deployment %s: replica %s %s by an operator", deployment, replica,
+                 "cordoned" if on else "released")
+        return sorted(cordoned(self.state, deployment))
 
     async def report(self, model: str, samples: list[tuple[str, float, bool, float | None, float | None]]) -> None:
         """The gateways' request outcomes of a model under rollout."""

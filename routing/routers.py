@@ -2,6 +2,7 @@
 
 Every policy runs behind `ShunterGuard`, which owns what must hold whatever the policy:
 - replicas whose circuit breaker is open get no traffic (half-open ones get their probes);
+- replicas an operator drains get none while another replica can take it;
 - a retry avoids the replica it failed on; a pinned call (stats, drain) goes to its replica only;
 - the shared per-process state (prefix index, breakers, in-flight counts) follows the replica set,
   and a replica that leaves or dies is forgotten at once.
@@ -79,6 +80,9 @@ class ShunterGuard:
         allowed = [c for c in candidates if self._shunter.allows(c.replica_id.unique_id)]
         if pending is not None and len(allowed) < len(candidates):
             pending._shunter_skipped = True  # counted once, when the request is routed
+        cordoned = self._shunter.cordoned
+        if cordoned:  # a drained replica serves only when no other one can: nothing is refused for it
+            allowed = [c for c in allowed if c.replica_id.unique_id not in cordoned] or allowed
         if hint is not None and hint.avoid:
             others = [c for c in allowed if c.replica_id.unique_id not in hint.avoid]
             allowed = others or allowed  # the only replica left may still serve a retry

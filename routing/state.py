@@ -47,11 +47,22 @@ class DeploymentRouting:
         self.pending: dict[str, int] = {}  # replica -> prompt tokens sent and not yet prefilled
         # request -> (replica, prompt tokens, when): chosen by a router and not yet sent (see `reserve`)
         self._reserved: dict[str, tuple[str, int, float]] = {}
+        self.cordoned: frozenset[str] = frozenset()  # replicas an operator drains: no new requests
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
         with self._lock:
             return self.breakers.allows(replica)
+
+    def set_cordoned(self, replicas: Iterable[str]) -> None:
+        """The replicas an operator drains (`POST /admin/models/{m}/replicas/{r}/drain`), as the cluster's
+        control state says: routers send them nothing new while another replica can take it."""
+        cordoned = frozenset(replicas)
+        with self._lock:
+            if cordoned != self.cordoned:
+                log.info("model %s version %s: cordoned replicas %s", self.model, self.version,
+                         sorted(cordoned) or "none")
+                self.cordoned = cordoned
 
     def load(self, replica: str) -> int:
         """Requests in flight on the replica, counting those a router chose it for and is still sending."""

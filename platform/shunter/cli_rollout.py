@@ -1,4 +1,4 @@
-"""`shunter rollout` and `shunter weights`: a client of the gateway's admin API.
+"""`shunter rollout`, `shunter weights` and `shunter replicas`: a client of the gateway's admin API.
 
 The rollout itself runs inside the cluster (the application's control actor); this command only asks
 for it and watches. Killing it at any point changes nothing: run `shunter rollout status MODEL` (or
@@ -46,6 +46,24 @@ def add_parsers(sub: Any) -> None:
     _common(wset)
     wset.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT")
     wset.set_defaults(func=_set_weights)
+
+    replicas = sub.add_parser("replicas", help="a model's replicas; drain one (no new requests, then replaced)")
+    ractions = replicas.add_subparsers(dest="action", required=True)
+    rlist = ractions.add_parser("list", help="the model's running replicas, cordons and requests in flight")
+    _common(rlist)
+    rlist.set_defaults(func=_list_replicas)
+    drain = ractions.add_parser("drain", help="cordon REPLICA on every gateway; Ray Serve replaces it once idle")
+    _common(drain)
+    drain.add_argument("replica")
+    drain.add_argument("--keep", action="store_true", help="only cordon it: no replacement")
+    drain.add_argument("--timeout-s", type=float, help="replace it after this long even if still busy "
+                       "(default: the model's draining.timeout_s)")
+    drain.add_argument("--force", action="store_true", help="drain even the last routable replica")
+    drain.set_defaults(func=_drain)
+    release = ractions.add_parser("release", help="undo a drain: the replica takes new requests and stays")
+    _common(release)
+    release.add_argument("replica")
+    release.set_defaults(func=_release)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +140,33 @@ def _set_weights(args: argparse.Namespace) -> int:
         if not sep or not version:
             raise SystemExit(f"{item!r}: give VERSION=WEIGHT, e.g. v1=90")
     _print_status(_call(args.url, "PUT", f"/admin/models/{args.model}/weights", {"weights": weights}))
+    return 0
+
+
+def _list_replicas(args: argparse.Namespace) -> int:
+    listed = _call(args.url, "GET", f"/admin/models/{args.model}/replicas")["replicas"]
+    for r in listed:
+        print(f"{r['replica']}  version {r['version']}  {'CORDONED' if r['cordoned'] else 'routable'}  "
+              f"in flight here {r['in_flight_here']}  breaker {r['breaker']}")
+    if not listed:
+        print(f"model {args.model}: no running replica")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"replace": not args.keep, "force": args.force}
+    if args.timeout_s is not None:
+        body["timeout_s"] = args.timeout_s
+    done = _call(args.url, "POST", f"/admin/models/{args.model}/replicas/{args.replica}/drain", body)
+    then = (f"Ray Serve replaces it once idle (at most {done['retire_within_s']:g}s; "
+            f"{done['unfinished_requests']} request(s) unfinished now)" if done["replace"] else "it keeps running")
+    print(f"replica {done['replica']} of {done['model']} (version {done['version']}) cordoned: {then}")
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    done = _call(args.url, "DELETE", f"/admin/models/{args.model}/replicas/{args.replica}/drain")
+    print(f"replica {done['replica']} of {done['model']} released: it takes new requests again")
     return 0
 
 

@@ -135,6 +135,20 @@ def test_admin_endpoints_need_the_admin_key(app):
         assert resp.status_code == (400 if status == 200 else status), resp.text  # 400: one version only
 
 
+def test_every_admin_operation_the_gateway_publishes_refuses_callers_without_an_admin_key(app):
+    """Every handler checks the key itself: this holds a new /admin operation to it as well."""
+    paths = httpx.get(f"{app}/openapi.json", timeout=TIMEOUT_S).json()["paths"]
+    operations = [(method.upper(), path) for path, methods in paths.items() if path.startswith("/admin")
+                  for method in methods]
+    assert len(operations) >= 8, operations
+    for method, path in operations:
+        url = app + path.replace("{model_id}", CHAT_MODEL)
+        for key, status, code in [(None, 401, "missing_api_key"), (FULL, 403, "admin_key_required")]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            resp = httpx.request(method, url, headers=headers, json={}, timeout=TIMEOUT_S)
+            assert resp.status_code == status and resp.json()["error"]["code"] == code, (method, path, resp.text)
+
+
 def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served(app):
     statuses, refused = [], None
     for _ in range(8):  # 120 tokens a minute; each request uses about 40

@@ -5,7 +5,10 @@
   of them;
 - a burst of concurrent requests on that hot prefix does not pile onto its replica: once that replica
   runs `routing.max_load_gap` requests ahead (or the prefill queued there costs more than prefilling
-  elsewhere), the other replica takes some, and caches the prefix too.
+  elsewhere), the other replica takes some, and caches the prefix too;
+- an operator drains a replica through the admin API: cordoned, it gets no new request (released, it
+  gets them again); the last routable replica is not drained without `force`; drained with `replace`,
+  Ray Serve replaces it once it is idle, and its replacement serves.
 
 This app has its own Ray cluster (two engines of one core each), so it runs after the shared app stops.
 """
@@ -13,10 +16,14 @@ This app has its own Ray cluster (two engines of one core each), so it runs afte
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from .live import LiveApp, free_port, wait_ready
@@ -121,3 +128,55 @@ def test_a_hot_prefix_spreads_when_its_replica_queues_up(two_replicas):
     assert len(served) == 2, f"a burst on one hot prefix must not pile onto one replica: {served}"
     most = max(served.values())
     assert most >= 9, f"the replica that caches the prefix should still take the larger share: {served}"
+
+
+def _replicas(app: LiveApp) -> list[dict[str, Any]]:
+    resp = httpx.get(f"{app.base_url}/admin/models/{MODEL}/replicas", timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["replicas"]
+
+
+def _cli(app: LiveApp, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "shunter.cli", *args, "--url", app.base_url], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _drain(app: LiveApp, replica: str, method: str = "POST", **body: Any) -> httpx.Response:
+    return httpx.request(method, f"{app.base_url}/admin/models/{MODEL}/replicas/{replica}/drain",
+                         json=body or None, timeout=60)
+
+
+def test_an_operator_drains_a_replica_and_ray_serve_replaces_it_once_idle(two_replicas):
+    app, handle = two_replicas
+    client = app.openai()
+    listed = _replicas(app)
+    assert [r["cordoned"] for r in listed] == [False, False], listed
+    drained, kept = (r["replica"] for r in listed)
+
+    assert _drain(app, "no-such-replica").json()["error"]["code"] == "replica_not_found"
+    resp = _drain(app, drained, replace=False)
+    assert resp.status_code == 202 and resp.json()["cordoned"] and not resp.json()["replace"], resp.text
+    assert {_ask(client, "Be brief.", f"Say {i}.") for i in range(8)} == {kept}, "a cordoned replica gets nothing new"
+    refused = _drain(app, kept, replace=False)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "last_replica", refused.text
+
+    resp = _drain(app, drained, method="DELETE")
+    assert resp.status_code == 200 and not resp.json()["cordoned"], resp.text
+    assert drained in {_ask(client, "Be brief.", f"Count to {i}.") for i in range(40)}, "released, it serves again"
+
+    said = _cli(app, "replicas", "drain", MODEL, drained, "--timeout-s", "120")  # the operator's command
+    assert f"replica {drained} of {MODEL} (version default) cordoned: Ray Serve replaces it once idle" in said, said
+    assert f"{drained}  version default  CORDONED" in _cli(app, "replicas", "list", MODEL)
+    assert {_ask(client, "Be brief.", f"Name {i}.") for i in range(6)} == {kept}
+    deadline, now = time.monotonic() + 300, [r["replica"] for r in listed]
+    while time.monotonic() < deadline:  # Serve's health check fails it, stops it and starts another
+        now = [r["replica"] for r in _replicas(app)]
+        if drained not in now and len(now) == 2:
+            break
+        time.sleep(3)
+    assert drained not in now and kept in now and len(now) == 2, now
+    (replacement,) = set(now) - {kept}
+    assert _counters(handle, replacement)["replica"] == replacement
+    assert not any(r["cordoned"] for r in _replicas(app)), "the cordon went with the replica"
