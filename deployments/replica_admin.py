@@ -92,9 +92,11 @@ class ReplicaAdmin:
     # ---- parts ----------------------------------------------------------------------------------------
 
     async def _known(self, model: ModelConfig, version: str) -> DeploymentRouting:
-        """The version's routing state, its replica set learnt: a router learns it on its first call."""
+        """The version's routing state, its replica set learnt: a router learns it on its first call.
+        A version that does not run, or may be at zero replicas, is not called: that would start one."""
         routing = self.routing(model, version)
-        if not routing.synced:
+        may_be_idle = model.autoscaling is not None and model.autoscaling.min_replicas == 0
+        if not routing.synced and version in self.traffic.view(model).live and not may_be_idle:
             try:
                 await asyncio.wait_for(self.servers[model.name][version].ready.remote(), _CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - no replica answers: the version lists none
