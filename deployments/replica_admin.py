@@ -74,7 +74,8 @@ class ReplicaAdmin:
         answer: dict[str, Any] = {"model": model.name, "version": version, "replica": replica, "cordoned": True,
                                   "replace": replace}
         if replace:
-            reply = await self._pinned(handle.retire, replica, max(within_s, CORDON_SEEN_S), CORDON_SEEN_S)
+            within_s = max(within_s, CORDON_SEEN_S)  # what the replica is told, and so what the answer says
+            reply = await self._pinned(handle.retire, replica, within_s, CORDON_SEEN_S)
             answer.update(retire_within_s=within_s, unfinished_requests=reply.get("unfinished_requests"))
         log.warning("model %s version %s: replica %s drained by an operator (%s)", model.name, version, replica,
                     f"replaced once idle, at most {within_s:g}s" if replace else "cordoned, kept running")
