@@ -8,6 +8,12 @@ its graceful shutdown. Nothing it holds is cut: requests in flight finish there,
 shutdown waits for any that reached it before every gateway saw the cordon (within a second).
 
 The cordon is dropped when the replica is gone: its replacement starts with a new id and takes traffic.
+
+Drains and releases of one model run one at a time in a gateway: a drain checks that another replica
+stays routable, then awaits the control actor's cordon, so two drains let through together could each
+count the other's replica as the one that stays, and cordon both. Across gateways (each sees the
+others' cordons only at its next read of the state) the control actor judges the same check again, on
+the one copy of the cordons.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ops.control import cordoned
+from ops.control import LastReplica, cordoned
 from routing.state import DeploymentRouting
 from shunter.config import ModelConfig
 from shunter.errors import ApiError
@@ -39,6 +45,7 @@ class ReplicaAdmin:
         self.traffic = traffic
         self.servers = servers
         self.routing = routing
+        self._locks: dict[str, asyncio.Lock] = {}  # model -> held by its drain or release in progress
 
     def apply_cordons(self, state: dict[str, Any], models: list[ModelConfig]) -> None:
         """Hand the control state's cordons to this process's routers (called on every refresh)."""
@@ -59,18 +66,37 @@ class ReplicaAdmin:
 
     async def drain(self, model: ModelConfig, replica: str, replace: bool, within_s: float,
                     force: bool) -> dict[str, Any]:
+        async with self._lock(model):  # the check below must see the cordon of a drain before it
+            return await self._drain(model, replica, replace, within_s, force)
+
+    async def release(self, model: ModelConfig, replica: str) -> dict[str, Any]:
+        """Undo a drain: the replica takes new requests again and, if it was told to retire, stays."""
+        async with self._lock(model):  # not between a drain's cordon and its retirement
+            version, routing = await self._find(model, replica)
+            handle = self.servers[model.name][version]
+            await self._pinned(handle.retire, replica, None, None)
+            await self._cordon(handle.deployment_name, replica, False, routing)
+        log.warning("model %s version %s: replica %s released by an operator", model.name, version, replica)
+        return {"model": model.name, "version": version, "replica": replica, "cordoned": False}
+
+    # ---- parts ----------------------------------------------------------------------------------------
+
+    def _lock(self, model: ModelConfig) -> asyncio.Lock:
+        return self._locks.setdefault(model.name, asyncio.Lock())
+
+    async def _drain(self, model: ModelConfig, replica: str, replace: bool, within_s: float,
+                     force: bool) -> dict[str, Any]:
         version, routing = await self._find(model, replica)
         if self.traffic.rollout_active(model):
             raise ApiError(409, f"model {model.name!r} has a rollout in progress; drain its replicas after it "
                            "ends, or roll it back", param="model", code="rollout_in_progress")
-        others = routing.replicas - routing.cordoned - {replica}
-        if not others and not force:
-            where = f"model {model.name!r}" + (f" version {version!r}" if model.versioned else "")
-            raise ApiError(409, f"replica {replica} is the last routable replica of {where}: draining it leaves "
-                           "requests waiting for its replacement to start. Add replicas first, or send "
-                           '"force": true', param="replica", code="last_replica")
+        if not routing.replicas - routing.cordoned - {replica} and not force:
+            raise _last_replica(model, version, replica)
         handle = self.servers[model.name][version]
-        await self._cordon(handle.deployment_name, replica, True, routing)
+        try:
+            await self._cordon(handle.deployment_name, replica, True, routing, keep_one=not force)
+        except LastReplica:  # another gateway cordoned the other replicas, and this one has not seen it yet
+            raise _last_replica(model, version, replica) from None
         answer: dict[str, Any] = {"model": model.name, "version": version, "replica": replica, "cordoned": True,
                                   "replace": replace}
         if replace:
@@ -80,17 +106,6 @@ class ReplicaAdmin:
         log.warning("model %s version %s: replica %s drained by an operator (%s)", model.name, version, replica,
                     f"replaced once idle, at most {within_s:g}s" if replace else "cordoned, kept running")
         return answer
-
-    async def release(self, model: ModelConfig, replica: str) -> dict[str, Any]:
-        """Undo a drain: the replica takes new requests again and, if it was told to retire, stays."""
-        version, routing = await self._find(model, replica)
-        handle = self.servers[model.name][version]
-        await self._pinned(handle.retire, replica, None, None)
-        await self._cordon(handle.deployment_name, replica, False, routing)
-        log.warning("model %s version %s: replica %s released by an operator", model.name, version, replica)
-        return {"model": model.name, "version": version, "replica": replica, "cordoned": False}
-
-    # ---- parts ----------------------------------------------------------------------------------------
 
     async def _known(self, model: ModelConfig, version: str) -> DeploymentRouting:
         """The version's routing state, its replica set learnt: a router learns it on its first call.
@@ -115,9 +130,16 @@ class ReplicaAdmin:
                        f"{', '.join(known) or 'none'} (GET /admin/models/{model.name}/replicas)",
                        param="replica", code="replica_not_found")
 
-    async def _cordon(self, deployment: str, replica: str, on: bool, routing: DeploymentRouting) -> None:
+    async def _cordon(self, deployment: str, replica: str, on: bool, routing: DeploymentRouting,
+                      keep_one: bool = False) -> None:
+        """`keep_one`: the control actor refuses (LastReplica) to cordon the last routable replica. The call
+        is bounded: the model's drains wait for it."""
         try:
-            now = await self.traffic.actor().cordon.remote(deployment, replica, on, sorted(routing.replicas))
+            now = await asyncio.wait_for(
+                self.traffic.actor().cordon.remote(deployment, replica, on, sorted(routing.replicas), keep_one),
+                _CALL_TIMEOUT_S)
+        except LastReplica:
+            raise
         except Exception as exc:  # noqa: BLE001 - the control actor is restarting or unreachable
             log.warning("deployment %s: could not %s replica %s: %r", deployment, "cordon" if on else "release",
                         replica, exc)
@@ -134,3 +156,10 @@ class ReplicaAdmin:
             raise ApiError(503, f"replica {replica} did not answer ({type(exc).__name__}); retry, or see whether "
                            "it still runs in the model's replica list", code="replica_unavailable",
                            headers={"Retry-After": "2"}) from None
+
+
+def _last_replica(model: ModelConfig, version: str, replica: str) -> ApiError:
+    where = f"model {model.name!r}" + (f" version {version!r}" if model.versioned else "")
+    return ApiError(409, f"replica {replica} is the last routable replica of {where}: draining it leaves "
+                    "requests waiting for its replacement to start. Add replicas first, or send "
+                    '"force": true', param="replica", code="last_replica")

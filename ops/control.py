@@ -14,6 +14,10 @@ state was written; a redeploy with other versions or weights starts from the fil
 The actor restarts on failure and reloads what it saved; its loop then carries every unfinished rollout
 on from its saved state. A CLI killed mid-rollout therefore loses nothing, and neither does the actor:
 only the latency samples of the step in progress, so that step judges what arrives after the restart.
+
+The actor's commands and its loop share one event loop, and the loop awaits Ray's status in the middle of
+a tick. One lock orders them: a command and a tick's decision never interleave, and a tick decides on the
+rollout as it is after that await, so an operator's pause or rollback that lands meanwhile stands.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -63,12 +68,33 @@ def _key(app: str) -> bytes:
 
 # ---- readers: no actor involved ---------------------------------------------------------------------
 
-def read_state(app: str) -> dict[str, Any]:
+class Store(Protocol):
+    """Where the state is kept: Ray's key-value store in a cluster, a dict in the unit tests."""
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+
+class RayStore:
+    """Ray's internal key-value store, held by the GCS. Blocking calls."""
+
+    def get(self, key: bytes) -> bytes | None:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def read_state(app: str, store: Store | None = None) -> dict[str, Any]:
     """The saved state of `app` ({} when nothing was ever saved). A blocking call to the GCS: run it off
     an event loop."""
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_key(app), namespace=_KV_NAMESPACE)
+    raw = (store or RayStore()).get(_key(app))
     return json.loads(raw) if raw else {}
 
 
@@ -139,23 +165,35 @@ class RolloutRefused(ValueError):
     """A rollout command that cannot apply now; the message says why and what to do."""
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class ShunterControl:
-    """One per application. `context` arguments describe a model as the gateway's config has it
-    (see `deployments.gateway.Gateway._control_context`): the actor holds no config of its own."""
+class LastReplica(ValueError):
+    """A cordon refused: it would leave a deployment no routable replica."""
 
-    def __init__(self, app: str, tick_s: float = TICK_S):
+
+class ShunterControl:
+    """One per application, run as a Ray actor by `control`; the class itself needs no Ray, so the unit
+    tests drive it directly (`store`, `clock` and `_status` are their seams). `context` arguments describe
+    a model as the gateway's config has it (see `deployments.traffic.LiveVersions.context`): the actor
+    holds no config of its own."""
+
+    def __init__(self, app: str, tick_s: float = TICK_S, store: Store | None = None,
+                 clock: Callable[[], float] = time.time):
         self.app = app
         self.tick_s = tick_s
+        self._store = store or RayStore()
+        self._clock = clock
         self.state: dict[str, Any] = {"stamp": 0, "models": {}, "rollouts": {}}
-        saved = read_state(app)
+        saved = read_state(app, self._store)
         if saved:
             self.state = {"stamp": 0, "models": {}, "rollouts": {}, **saved}
         self._samples: dict[str, deque[Sample]] = {}
         self._loop: asyncio.Task[None] | None = None
         self._status: Any = None  # test seam: a callable returning serve.status()
+        # Held by every command that changes the state and by each tick while it decides: see _tick.
+        self._lock = asyncio.Lock()
 
     # -- commands ----------------------------------------------------------------------------------
+    # Every command that changes the state holds the lock, so none lands inside a tick's decision.
+    # `state_now` and `report` change nothing a tick decides on: they do not wait for it.
 
     async def state_now(self) -> dict[str, Any]:
         self._ensure_loop()
@@ -164,72 +202,78 @@ class ShunterControl:
     async def start_rollout(self, context: dict[str, Any], to: str,
                             overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         self._ensure_loop()
-        model = context["model"]
-        current = self.state["rollouts"].get(model)
-        if current and current["rollout"]["phase"] != Phase.DONE.value:
-            raise RolloutRefused(f"model {model!r} already has a rollout in phase {current['rollout']['phase']}; "
-                                 "wait for it, or roll it back first")
-        if to not in context["versions"]:
-            raise RolloutRefused(f"model {model!r} has no version {to!r} in its config; it has: "
-                                 f"{', '.join(context['versions'])}")
-        view = self._view(context)
-        serving = [v for v, w in view.weights if w > 0]
-        if serving == [to]:
-            raise RolloutRefused(f"version {to!r} of model {model!r} already takes all its traffic")
-        if len(serving) != 1:
-            raise RolloutRefused(f"model {model!r} splits its traffic over {serving}; a rollout starts from one "
-                                 "version with all of it (set the weights first)")
-        settings = {**context["rollout"], **(overrides or {})}
-        try:
-            spec = RolloutSpec(model=model, old=serving[0], new=to, steps=tuple(settings["steps"]),
-                               hold_s=float(settings["hold_s"]), max_hold_s=float(settings["max_hold_s"]),
-                               ready_timeout_s=float(settings["ready_timeout_s"]), gates=Gates(**settings["gates"]))
-        except (TypeError, ValueError) as exc:
-            raise RolloutRefused(f"invalid rollout settings: {exc}") from None
-        rollout, actions = start(spec, time.time())
-        self._set_model(context, [(spec.new, 0.0), (spec.old, 100.0)], view.live | {spec.old, spec.new})
-        self._samples[model] = deque(maxlen=_MAX_SAMPLES)
-        return self._save_rollout(context, rollout, actions, "start")
+        async with self._lock:
+            model = context["model"]
+            current = self.state["rollouts"].get(model)
+            if current and current["rollout"]["phase"] != Phase.DONE.value:
+                raise RolloutRefused(f"model {model!r} already has a rollout in phase "
+                                     f"{current['rollout']['phase']}; wait for it, or roll it back first")
+            if to not in context["versions"]:
+                raise RolloutRefused(f"model {model!r} has no version {to!r} in its config; it has: "
+                                     f"{', '.join(context['versions'])}")
+            view = self._view(context)
+            serving = [v for v, w in view.weights if w > 0]
+            if serving == [to]:
+                raise RolloutRefused(f"version {to!r} of model {model!r} already takes all its traffic")
+            if len(serving) != 1:
+                raise RolloutRefused(f"model {model!r} splits its traffic over {serving}; a rollout starts from "
+                                     "one version with all of it (set the weights first)")
+            spec = _spec(model, serving[0], to, {**context["rollout"], **(overrides or {})})
+            rollout, actions = start(spec, self._clock())
+            self._set_model(context, [(spec.new, 0.0), (spec.old, 100.0)], view.live | {spec.old, spec.new})
+            self._samples[model] = deque(maxlen=_MAX_SAMPLES)
+            return self._save_rollout(context, rollout, actions, "start")
 
     async def pause(self, model: str) -> dict[str, Any]:
-        entry = self._entry(model)
-        return self._save_rollout(entry["context"], pause(self._rollout(entry), time.time()), [], "pause")
+        async with self._lock:
+            entry = self._entry(model)
+            return self._save_rollout(entry["context"], pause(self._rollout(entry), self._clock()), [], "pause")
 
     async def resume(self, model: str) -> dict[str, Any]:
-        entry = self._entry(model)
-        return self._save_rollout(entry["context"], resume(self._rollout(entry), time.time()), [], "resume")
+        async with self._lock:
+            entry = self._entry(model)
+            return self._save_rollout(entry["context"], resume(self._rollout(entry), self._clock()), [], "resume")
 
     async def rollback(self, model: str, reason: str = "operator asked") -> dict[str, Any]:
-        entry = self._entry(model)
-        before = self._rollout(entry)
-        after, actions = roll_back(before, time.time(), reason)
-        if after is before:
-            raise RolloutRefused(f"the rollout of {model!r} is {before.phase.value}; nothing to roll back")
-        return self._save_rollout(entry["context"], after, actions, "rollback")
+        async with self._lock:
+            entry = self._entry(model)
+            before = self._rollout(entry)
+            after, actions = roll_back(before, self._clock(), reason)
+            if after is before:
+                raise RolloutRefused(f"the rollout of {model!r} is {before.phase.value}; nothing to roll back")
+            return self._save_rollout(entry["context"], after, actions, "rollback")
 
     async def set_weights(self, context: dict[str, Any], weights: list[tuple[str, float]]) -> dict[str, Any]:
         """An operator's traffic split. Versions given weight > 0 run; the others are retired."""
         self._ensure_loop()
-        model = context["model"]
-        current = self.state["rollouts"].get(model)
-        if current and current["rollout"]["phase"] != Phase.DONE.value:
-            raise RolloutRefused(f"model {model!r} has a rollout in progress; pause or roll it back first")
-        unknown = [v for v, _ in weights if v not in context["versions"]]
-        if unknown:
-            raise RolloutRefused(f"model {model!r} has no version {unknown[0]!r}; it has: "
-                                 f"{', '.join(context['versions'])}")
-        if any(w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
-            raise RolloutRefused(f"weights need a version above 0 and none below 0: {dict(weights)}")
-        self._set_model(context, weights, frozenset(v for v, w in weights if w > 0))
-        self._save()
-        log.info("model %s: traffic weights set to %s by an operator", model, dict(weights))
-        return self.state["models"][model]
+        async with self._lock:
+            model = context["model"]
+            current = self.state["rollouts"].get(model)
+            if current and current["rollout"]["phase"] != Phase.DONE.value:
+                raise RolloutRefused(f"model {model!r} has a rollout in progress; pause or roll it back first")
+            unknown = [v for v, _ in weights if v not in context["versions"]]
+            if unknown:
+                raise RolloutRefused(f"model {model!r} has no version {unknown[0]!r}; it has: "
+                                     f"{', '.join(context['versions'])}")
+            if any(w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
+                raise RolloutRefused(f"weights need a version above 0 and none below 0: {dict(weights)}")
+            self._set_model(context, weights, frozenset(v for v, w in weights if w > 0))
+            self._save()
+            log.info("model %s: traffic weights set to %s by an operator", model, dict(weights))
+            return self.state["models"][model]
 
-    async def cordon(self, deployment: str, replica: str, on: bool, running: list[str]) -> list[str]:
+    async def cordon(self, deployment: str, replica: str, on: bool, running: list[str],
+                     keep_one: bool = False) -> list[str]:
         """Cordon (`on`) or release one replica of `deployment`, whose running replicas are `running`;
-        the deployment's cordoned replicas after it."""
-        self.state["cordoned"] = with_cordon(self.state, deployment, replica, on, running)
-        self._save()
+        the deployment's cordoned replicas after it. `keep_one`: refuse (LastReplica) to cordon the last
+        running replica not cordoned yet. Judged here, on the one copy of the cordons, because each gateway
+        sees the others' cordons only at its next read of the state: two drains through two gateways would
+        both pass a gateway's own check."""
+        async with self._lock:
+            if on and keep_one and not set(running) - cordoned(self.state, deployment) - {replica}:
+                raise LastReplica(f"replica {replica} is the last routable replica of deployment {deployment}")
+            self.state["cordoned"] = with_cordon(self.state, deployment, replica, on, running)
+            self._save()
         log.info("deployment %s: replica %s %s by an operator", deployment, replica,
                  "cordoned" if on else "released")
         return sorted(cordoned(self.state, deployment))
@@ -248,21 +292,38 @@ class ShunterControl:
 
     async def _run(self) -> None:
         while True:
-            for model, entry in list(self.state["rollouts"].items()):
-                if entry["rollout"]["phase"] == Phase.DONE.value:
-                    continue
-                try:
-                    await self._tick(model, entry)
-                except Exception:  # noqa: BLE001 - one model's trouble must not stop the others' rollouts
-                    log.exception("rollout of model %s: tick failed; retrying", model)
+            await self._tick_all()
             await asyncio.sleep(self.tick_s)
 
-    async def _tick(self, model: str, entry: dict[str, Any]) -> None:
-        r = self._rollout(entry)
-        if r.paused:
+    async def _tick_all(self) -> None:
+        """One pass of the loop: a tick of every unfinished rollout, each judged on its entry as it is when
+        its turn comes (an earlier model's tick awaits, and a command may land meanwhile)."""
+        for model in list(self.state["rollouts"]):
+            try:
+                await self._tick(model)
+            except Exception:  # noqa: BLE001 - one model's trouble must not stop the others' rollouts
+                log.exception("rollout of model %s: tick failed; retrying", model)
+
+    async def _tick(self, model: str) -> None:
+        """Ray's status is read first, outside the lock: it is a call to the Serve controller that may take
+        seconds, and an operator's pause or rollback should not wait for it. The decision is then taken
+        under the lock on the rollout as it is now, read again after the await: a rollout paused, rolled
+        back or replaced meanwhile is not overwritten with a step judged on what it was before. A status a
+        moment old is what every tick judges anyway."""
+        entry = self.state["rollouts"].get(model)
+        if not _moving(entry):
             return
-        context, spec = entry["context"], r.spec
+        context = entry["context"]
         deployments = await asyncio.to_thread(self._deployments, context)
+        async with self._lock:
+            entry = self.state["rollouts"].get(model)
+            if _moving(entry) and entry["context"] == context:  # otherwise: the next tick reads afresh
+                self._decide(model, entry, deployments)
+
+    def _decide(self, model: str, entry: dict[str, Any], deployments: dict[str, dict[str, Any]]) -> None:
+        """One step of `model`'s rollout from Ray's status of its versions and the gateways' samples."""
+        r = self._rollout(entry)
+        context, spec = entry["context"], r.spec
         new = deployments.get(spec.new, {})
         new_ready = new.get("running", 0) >= context["ready_replicas"] and new.get("status") == "HEALTHY"
         # A first deploy that cannot start is DEPLOY_FAILED; a scale-up from zero that cannot is UNHEALTHY,
@@ -279,7 +340,7 @@ class ShunterControl:
             old_stats = window_stats(samples, spec.old, r.step_started_at)
             if old_stats.requests < spec.gates.min_requests:  # little old traffic left: the whole rollout's
                 old_stats = window_stats(samples, spec.old, r.started_at)
-        after, actions = advance(r, time.time(), new_ready, new_failed, old_stats, new_stats, removed)
+        after, actions = advance(r, self._clock(), new_ready, new_failed, old_stats, new_stats, removed)
         if after != r:
             self._save_rollout(context, after, actions, _decision(r, after))
 
@@ -345,12 +406,27 @@ class ShunterControl:
         return self.state["rollouts"][model]
 
     def _save(self) -> None:
-        from ray.experimental import internal_kv
-
-        # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
         self.state["stamp"] += 1
-        internal_kv._internal_kv_put(_key(self.app), json.dumps(self.state).encode(), overwrite=True,
-                                     namespace=_KV_NAMESPACE)
+        self._store.put(_key(self.app), json.dumps(self.state).encode())
+
+
+# The actor keeps the class's name (Ray's actor lists show `ShunterControl`).
+_Actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(ShunterControl)
+
+
+def _moving(entry: dict[str, Any] | None) -> bool:
+    """Whether a model's rollout entry is one a tick may move on: it exists, is not done, not paused."""
+    return entry is not None and entry["rollout"]["phase"] != Phase.DONE.value and \
+        entry["rollout"].get("paused_at") is None
+
+
+def _spec(model: str, old: str, new: str, settings: dict[str, Any]) -> RolloutSpec:
+    try:
+        return RolloutSpec(model=model, old=old, new=new, steps=tuple(settings["steps"]),
+                           hold_s=float(settings["hold_s"]), max_hold_s=float(settings["max_hold_s"]),
+                           ready_timeout_s=float(settings["ready_timeout_s"]), gates=Gates(**settings["gates"]))
+    except (TypeError, ValueError) as exc:
+        raise RolloutRefused(f"invalid rollout settings: {exc}") from None
 
 
 def _short(message: str) -> str:
@@ -375,5 +451,5 @@ def _decision(before: Rollout, after: Rollout) -> str:
 
 def control(app: str) -> Any:
     """The application's control actor, started if it is not running (call inside a Ray job)."""
-    return ShunterControl.options(name=actor_name(app), namespace=NAMESPACE, lifetime="detached",
-                                  get_if_exists=True).remote(app)
+    return _Actor.options(name=actor_name(app), namespace=NAMESPACE, lifetime="detached",
+                          get_if_exists=True).remote(app)

@@ -1,18 +1,22 @@
-"""Draining one replica: the cordon kept in the control state, the router guard that honours it, and the
-replica's retirement through its health check (deployments.replica_admin)."""
+"""Draining one replica: the cordon kept in the control state, the router guard that honours it, the
+replica's retirement through its health check, and drains that race (deployments.replica_admin): two at
+once through one gateway, through two gateways, and a release during a drain."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from deployments.model_server import ModelServer
-from ops.control import cordoned, with_cordon
+from deployments.replica_admin import ReplicaAdmin
+from ops.control import ShunterControl, cordoned, with_cordon
 from routing.routers import LeastConnectionsRouter
 from routing.state import DeploymentRouting
 from shunter.config import RoutingConfig
+from shunter.errors import ApiError
 
 
 def test_a_cordon_is_kept_per_deployment_and_forgets_replicas_that_stopped():
@@ -106,3 +110,132 @@ def test_a_cancelled_retirement_keeps_the_replica(unfinished):
     server.retire(None, 0.0, 0.0)
     server.retire(None, None, None)
     assert _healthy(server)
+
+
+# ---- drains that race: serialized per model in a gateway, judged again by the control actor ----------
+
+class _ControlActor:
+    """The control actor as a gateway calls it (`actor().cordon.remote(...)`), the real class behind it,
+    its state in a dict. A cordon waits for `gate` before it reaches the actor."""
+
+    def __init__(self, control: ShunterControl, gate: asyncio.Event | None = None):
+        self.control, self.gate = control, gate
+        self.calls: list[tuple[str, bool]] = []
+        self.called = asyncio.Event()
+        self.cordon = SimpleNamespace(remote=self._cordon)
+
+    async def _cordon(self, deployment: str, replica: str, on: bool, *rest: Any) -> list[str]:
+        self.calls.append((replica, on))
+        self.called.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        return await self.control.cordon(deployment, replica, on, *rest)
+
+
+class _Traffic:
+    """The gateway's LiveVersions as the drain reads it: no rollout, the one version live."""
+
+    def __init__(self, actor: _ControlActor):
+        self._actor = actor
+
+    def rollout_active(self, model: Any) -> bool:
+        return False
+
+    def view(self, model: Any) -> SimpleNamespace:
+        return SimpleNamespace(live=frozenset({"default"}))
+
+    def actor(self) -> _ControlActor:
+        return self._actor
+
+
+class _Server:
+    """A ModelServer handle: its deployment's name, and the retirements it was told, in order."""
+
+    deployment_name = "model-m"
+
+    def __init__(self) -> None:
+        self.retirements: list[float | None] = []
+        self.retire = SimpleNamespace(remote=self._retire)
+
+    async def _retire(self, hint: Any, within_s: float | None, not_before_s: float | None) -> dict[str, Any]:
+        self.retirements.append(within_s)
+        return {"replica": hint.pin, "retiring": within_s is not None, "unfinished_requests": 0}
+
+
+MODEL = SimpleNamespace(name="m", versioned=False, autoscaling=None, version_names=lambda: ["default"])
+
+
+def _memory_control() -> ShunterControl:
+    stored: dict[bytes, bytes] = {}
+    control = ShunterControl("app1", store=SimpleNamespace(get=stored.get, put=stored.__setitem__))
+    control._ensure_loop = lambda: None  # no rollout loop: only cordons here
+    return control
+
+
+def _gateway(actor: _ControlActor, server: _Server | None = None) -> ReplicaAdmin:
+    """One gateway's ReplicaAdmin over a model of two replicas, its own routing state as a router left it."""
+    routing = DeploymentRouting("m", "least_connections", RoutingConfig())
+    routing.sync_replicas(["r1", "r2"])
+    return ReplicaAdmin(_Traffic(actor), {"m": {"default": server or _Server()}}, lambda model, version: routing)
+
+
+async def _settle() -> None:
+    """Let every task run as far as it can without the test."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_two_concurrent_drains_of_the_last_two_replicas_leave_one_routable():
+    control = _memory_control()
+
+    actor = _ControlActor(control, gate=asyncio.Event())
+    admin = _gateway(actor)
+
+    async def scenario() -> list[Any]:
+        drains = [asyncio.create_task(admin.drain(MODEL, r, False, 0.0, False)) for r in ("r1", "r2")]
+        await actor.called.wait()  # the first drain awaits its cordon ...
+        await _settle()  # ... and the second gets as far as it can meanwhile
+        actor.gate.set()
+        return await asyncio.gather(*drains, return_exceptions=True)
+
+    first, second = asyncio.run(scenario())
+    assert cordoned(control.state, "model-m") == {"r1"}
+    assert first == {"model": "m", "version": "default", "replica": "r1", "cordoned": True, "replace": False}
+    assert isinstance(second, ApiError) and second.status == 409 and second.code == "last_replica"
+    assert actor.calls == [("r1", True)], "the gateway refused the second drain itself, without a call"
+
+
+def test_a_drain_through_another_gateway_that_has_not_seen_a_cordon_yet_is_refused_by_the_control_actor():
+    control = _memory_control()
+    actor = _ControlActor(control)
+    one, other = _gateway(actor), _gateway(actor)  # two gateway replicas, each with its own routing view
+
+    async def scenario() -> None:
+        await one.drain(MODEL, "r1", False, 0.0, False)
+        with pytest.raises(ApiError) as refused:
+            await other.drain(MODEL, "r2", False, 0.0, False)  # `other` still sees r1 routable
+        assert refused.value.status == 409 and refused.value.code == "last_replica"
+        assert cordoned(control.state, "model-m") == {"r1"}
+        forced = await other.drain(MODEL, "r2", False, 0.0, True)
+        assert forced["cordoned"] and cordoned(control.state, "model-m") == {"r1", "r2"}
+
+    asyncio.run(scenario())
+
+
+def test_a_release_that_arrives_during_a_drain_waits_for_it_and_then_undoes_all_of_it():
+    control = _memory_control()
+    server = _Server()
+
+    async def scenario() -> None:
+        actor = _ControlActor(control, gate=asyncio.Event())
+        admin = _gateway(actor, server)
+        drain = asyncio.create_task(admin.drain(MODEL, "r1", True, 10.0, False))
+        await actor.called.wait()  # the drain awaits its cordon; the operator changes their mind
+        release = asyncio.create_task(admin.release(MODEL, "r1"))
+        await _settle()
+        actor.gate.set()
+        await asyncio.gather(drain, release)
+
+    asyncio.run(scenario())
+    assert server.retirements == [10.0, None], "the release's cancel comes after the drain's retirement"
+    assert cordoned(control.state, "model-m") == frozenset()
