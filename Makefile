@@ -71,7 +71,7 @@ dashboards: install ## Regenerate ops/grafana/ from ops/dashboards (make dashboa
 check-config: install ## Validate CONFIG and print the resolved Shunter config
 	$(BIN)/shunter config check $(CONFIG)
 
-plan: install ## Where CONFIG's replicas' GPUs would go, checked (NODES="2x8xH100" plans on other nodes)
+plan: install ## Where CONFIG's replicas' GPUs (or CPU cores) would go, checked (NODES="2x8xH100" plans on other nodes)
 	$(BIN)/shunter plan $(CONFIG) $(foreach n,$(NODES),--nodes $(n))
 
 render-kuberay: install ## Re-render the RayService both Terraform environments apply (terraform/rayservice.yaml) from configs/gpu-llama-8b.yaml

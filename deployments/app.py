@@ -2,7 +2,8 @@
 
 Validates `args` into a ShunterConfig before anything starts, then binds one ModelServer deployment per
 model version and one Gateway in front. Placement decisions are made here, once, from the config and the
-cluster: the accelerator of each model and, on CPU, how many cores each engine replica owns.
+cluster: the accelerator of each model and, on CPU, how many cores each engine replica owns. A config whose
+CPU engines cannot all get their cores on the node is refused here: Ray would leave a replica pending forever.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from deployments.model_server import ModelServer
 from ops.draining import ray_shutdown_timeout_s
 from routing.custom import guarded_path, import_router
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
-from shunter.cpu_cores import cores_per_replica
+from shunter.cpu_cores import CoreDemand, core_headroom, core_shortfall, cores_per_replica
 from shunter.engine_checks import engine_problems
 from shunter.model_shape import model_shape, parallel_problems
 from shunter.placement import (
@@ -44,6 +45,11 @@ class ClusterView:
     has_gpus: bool
     largest_node_cpus: int
     gpu_nodes: tuple[NodeSpec, ...] = ()  # the live GPU nodes, for placement checks
+    # largest_node_cpus are all the cores the CPU engines can get (this machine, or a Ray cluster of one
+    # node: nothing adds nodes), so engines that need more are refused; False on a cluster of several
+    # nodes, which may hold or add more (a misfit only warns).
+    cpus_fixed: bool = True
+    cpu_node: str = "the node"  # where the CPU engines run, as messages name it
 
     @classmethod
     def detect(cls) -> ClusterView:
@@ -54,9 +60,11 @@ class ClusterView:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             cpus = max((int(n["Resources"].get("CPU", 0)) for n in nodes), default=0)
             gpu_nodes = tuple(_node_spec(n) for n in nodes if n["Resources"].get("GPU", 0) > 0)
+            one_node = len(nodes) == 1 and cpus > 0  # a KubeRay head alone has 0 CPUs: workers come later
             return cls(has_gpus=bool(gpu_nodes), largest_node_cpus=cpus or (os.cpu_count() or 1),
-                       gpu_nodes=gpu_nodes)
-        return cls(has_gpus=False, largest_node_cpus=len(os.sched_getaffinity(0)))
+                       gpu_nodes=gpu_nodes, cpus_fixed=one_node,
+                       cpu_node="the Ray node" if one_node else "the largest Ray node")
+        return cls(has_gpus=False, largest_node_cpus=len(os.sched_getaffinity(0)), cpu_node="this machine")
 
 
 def _node_spec(node: dict[str, Any]) -> NodeSpec:
@@ -98,7 +106,56 @@ def plan_deployments(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, dict
             names[name] = f"model {model.name!r} version {version!r}"
             plans[model.name][version] = _plan_version(model, version, name, accelerators[model.name],
                                                        cpu_cores.get(model.name), spare_cores)
+    check_cpu_cores(cfg, cluster, cpu_core_demands(cfg, plans))
     return plans
+
+
+def check_cpu_cores(cfg: ShunterConfig, cluster: ClusterView, demands: list[CoreDemand]) -> None:
+    """Refuse CPU engines that cannot all start on the node (Ray would leave one pending forever); warn
+    where only scaling out or a rollout would need more cores than it has. Not checked against a declared
+    `cluster:`: there each CPU replica gets a node (a KubeRay pod) of its own, added as it scales."""
+    if cfg.cluster is not None:
+        return
+    problem = core_shortfall(demands, cluster.largest_node_cpus, cluster.cpu_node)
+    if problem and any(cfg.find_model(d.model).accelerator == "auto" for d in demands):  # type: ignore[union-attr]
+        problem += ("\n(accelerator: auto runs these models on CPU: no GPU is visible here. A config for a GPU "
+                    "cluster says so with `accelerator: gpu` or a `cluster:` section.)")
+    if problem and cluster.cpus_fixed:
+        raise ConfigError(problem)
+    if problem:  # several nodes: the replicas may spread, or wait for the autoscaler
+        log.warning("%s\n(the Ray cluster has several nodes: replicas that fit none wait for the autoscaler)",
+                    problem)
+        return
+    headroom = core_headroom(demands, cluster.largest_node_cpus, cluster.cpu_node)
+    if headroom:
+        log.warning("%s", headroom)
+
+
+def cpu_core_demands(cfg: ShunterConfig, plans: dict[str, dict[str, dict[str, Any]]]) -> list[CoreDemand]:
+    """What each CPU model of `plans` (plan_deployments) asks of the node's cores."""
+    return [_core_demand(model, plans[model.name]) for model in cfg.models
+            if next(iter(plans[model.name].values()))["accelerator"] == "cpu"]
+
+
+def _core_demand(model: ModelConfig, versions: dict[str, dict[str, Any]]) -> CoreDemand:
+    """What `model`'s CPU replicas ask of the node: as many as its deployments start with (Ray's
+    num_replicas or initial_replicas, live versions only), and at most (max_replicas, two versions)."""
+    cores = next(iter(versions.values()))["cpu_cores"]
+    start = sum(p["deployment"].get("num_replicas") or p["deployment"]["autoscaling_config"]["initial_replicas"]
+                for p in versions.values())
+    if model.autoscaling is None:
+        counted = "replicas"
+    elif model.autoscaling.min_replicas == 0:
+        counted = "autoscaling starts 1 even at min_replicas 0"
+    else:
+        counted = "autoscaling.min_replicas"
+    most = "autoscaling.max_replicas" if model.autoscaling else "replicas"
+    if model.versioned:
+        live = [v for v, weight in model.file_weights() if weight > 0]
+        counted += f", version{'s' if len(live) > 1 else ''} {', '.join(live)}"
+        most += f", {model.most_running_versions} versions at once in a rollout"
+    return CoreDemand(model.name, cores, start, model.most_replicas * model.most_running_versions,
+                      str(model.cpu_cores_per_replica), counted, most, model.most_running_versions > 1)
 
 
 def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores: int | None,
@@ -281,8 +338,9 @@ def _cpu_cores(model: ModelConfig, cluster: ClusterView, cpu_replicas: int) -> i
     cores = model.cpu_cores_per_replica
     if cores == "shared":
         return 0
-    if cores == "auto":
-        ranks = model.engine.tensor_parallel_size * model.engine.pipeline_parallel_size
+    if cores == "auto":  # at least a core per rank of the widest version
+        engines = [model.for_version(v).engine for v in model.version_names()]
+        ranks = max(e.tensor_parallel_size * e.pipeline_parallel_size for e in engines)
         return max(ranks, cores_per_replica(cluster.largest_node_cpus, cpu_replicas))
     return cores
 

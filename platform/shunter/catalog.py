@@ -11,6 +11,9 @@ Builtin models ship inside PyPI wheels (no hub access is needed, or possible, on
 Preparation runs once per cache dir, under a file lock, so replicas that start together never convert
 twice and a crash mid-way never leaves a half-written dir behind (it is built in a temp dir, then renamed).
 Any other source (a local dir, a hub id) is passed to the engine as given.
+
+A model declared with `versions:` has no `source` of its own: each version has one, so whatever prepares
+a config's models (`shunter models prepare`, `make serve`) walks the versions (`builtin_sources`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shunter.config import BUILTIN_PREFIX
+
+if TYPE_CHECKING:
+    from shunter.config import ShunterConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +103,18 @@ def resolve_source(source: str, cache_dir: str | Path | None = None, progress: b
         return str(packaged)
     target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     return str(_prepare_gguf(model, packaged, target, progress))
+
+
+def builtin_sources(cfg: ShunterConfig) -> list[tuple[str, str]]:
+    """(label, source) of every builtin source the config's models run, one per model version (a model
+    with `versions:` has a source per version, none of its own), e.g. ("smol version v2", "builtin:...")."""
+    found = []
+    for model in cfg.models:
+        for version in model.version_names():
+            source = model.for_version(version).source or ""
+            if source.startswith(BUILTIN_PREFIX):
+                found.append((model.name + (f" version {version}" if model.versioned else ""), source))
+    return found
 
 
 def prepared_path(model: BuiltinModel, cache_dir: str | Path | None = None) -> Path | None:

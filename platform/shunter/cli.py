@@ -1,7 +1,8 @@
 """The `shunter` command: the face of the platform. Imports lazily so `--help` stays instant.
 
-    shunter config check FILE     validate a Serve config file and print the resolved Shunter config
-    shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs would go (checks split and capacity)
+    shunter config check FILE     validate a Serve config file (as the app builder would, on this machine or
+                                  its `cluster:`) and print the resolved Shunter config
+    shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs or CPU cores would go (checks split, capacity)
     shunter render kuberay FILE [-o OUT] [--image IMG]   the RayService manifest for KubeRay
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
@@ -169,7 +170,10 @@ def load_app_configs(path: Path) -> list[tuple[str, Any]]:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
+    from shunter.cli_plan import check_builds
+
     for name, cfg in load_app_configs(args.file):
+        check_builds(args.file, name, cfg)  # what build_app would refuse: splits, GPU placement, CPU cores
         print(f"# application {name!r}: valid")
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     return 0
@@ -213,14 +217,12 @@ def _keys_id(args: argparse.Namespace) -> int:
 
 
 def _models_prepare(args: argparse.Namespace) -> int:
-    from shunter.catalog import resolve_source
-    from shunter.config import BUILTIN_PREFIX
+    from shunter.catalog import builtin_sources, resolve_source
 
     for _, cfg in load_app_configs(args.file):
-        for model in cfg.models:
-            if model.source.startswith(BUILTIN_PREFIX):
-                path = resolve_source(model.source, cfg.model_cache_dir)
-                print(f"{model.name}: {model.source} -> {path}")
+        for label, source in builtin_sources(cfg):
+            path = resolve_source(source, cfg.model_cache_dir)
+            print(f"{label}: {source} -> {path}")
     return 0
 
 

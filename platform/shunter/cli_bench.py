@@ -215,7 +215,9 @@ def _model_of(config: Path, name: str) -> tuple[Any, Any, str]:
     model = cfg.find_model(name)
     if model is None or model.task != "generate":
         raise SystemExit(f"{name!r} is not a generate model of {config}")
-    return cfg, model, resolve_source(model.source, cfg.model_cache_dir)
+    if model.versioned:  # each version its own weights: measure the one the file gives most traffic
+        model = model.for_version(max(model.file_weights(), key=lambda item: item[1])[0])
+    return cfg, model, resolve_source(model.source or "", cfg.model_cache_dir)
 
 
 def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,

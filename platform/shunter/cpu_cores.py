@@ -10,6 +10,12 @@ design doc). The platform therefore decides, per replica:
 - which cores: claimed at replica start from the node's free cores, each held by an exclusive `flock` on
   a per-core lock file. The kernel drops a lock when its process dies, so a crashed replica can never
   leak cores, and no coordinator actor is needed on the routing or start-up path.
+
+Because each replica reserves its cores as Ray CPUs, engines that together ask for more cores than the
+node has do not fail: Ray leaves the ones that do not fit pending forever. So the builder (and
+`shunter config check`, `shunter plan`) adds up what the app starts with (`core_shortfall`) and refuses a
+config that cannot fit, naming the models and the fix; what only scaling out or a rollout would need
+beyond the node's cores is a warning (`core_headroom`): those replicas wait until cores free up.
 """
 
 from __future__ import annotations
@@ -97,3 +103,52 @@ def claim_cores(count: int, lock_dir: Path | None = None, candidates: list[int] 
 def cores_per_replica(node_cpus: int, engine_replicas: int) -> int:
     """auto: a node's cores split evenly among the app's CPU engine replicas, at least one each."""
     return max(1, node_cpus // max(1, engine_replicas))
+
+
+@dataclass(frozen=True)
+class CoreDemand:
+    """The cores one model's CPU engine replicas own: `cores` each (at least one per TP x PP rank),
+    `start` replicas when the app starts (its live versions' fixed count, or the autoscaler's first
+    max(1, min_replicas)), `most` at most (max_replicas, and a rollout's second version beside the first)."""
+
+    model: str
+    cores: int
+    start: int
+    most: int
+    setting: str  # cpu_cores_per_replica as the config gives it: "auto" or a number
+    start_field: str = "replicas"  # what sets `start`, named in the message
+    most_field: str = "replicas"  # what sets `most`
+    rollout: bool = False  # `most` counts a rollout's second version
+
+    def line(self, replicas: int, counted: str) -> str:
+        how = "auto, at least 1 per engine rank" if self.setting == "auto" \
+            else str(self.setting)
+        return (f"models[{self.model}]: {replicas} replica{'s' if replicas != 1 else ''} ({counted}) x "
+                f"{self.cores} core{'s' if self.cores != 1 else ''} (cpu_cores_per_replica: {how}) "
+                f"= {replicas * self.cores}")
+
+
+def core_shortfall(demands: list[CoreDemand], node_cpus: int, node: str = "the node") -> str | None:
+    """Why the replicas the app starts with cannot all get their cores on `node`, or None when they fit."""
+    need = sum(d.cores * d.start for d in demands)
+    if need <= node_cpus:
+        return None
+    lines = [d.line(d.start, d.start_field) for d in demands if d.start and d.cores]
+    return (f"the CPU engines this config starts need {need} cores; {node} has {node_cpus}, so Ray would "
+            "leave the replicas that do not fit pending forever:\n  " + "\n  ".join(lines) + "\n"
+            "Fix: fewer replicas (replicas, autoscaling.min_replicas), `cpu_cores_per_replica: shared` for a "
+            "light model (it owns no cores and runs beside the others), or a node with at least "
+            f"{need} cores.")
+
+
+def core_headroom(demands: list[CoreDemand], node_cpus: int, node: str = "the node") -> str | None:
+    """Why replicas past the start (scaled out, or a rollout's new version) would wait for cores, or None."""
+    most = sum(d.cores * d.most for d in demands)
+    if most <= node_cpus:
+        return None
+    lines = [d.line(d.most, d.most_field) for d in demands if d.most and d.cores]
+    rollout = any(d.rollout for d in demands)
+    return (f"the CPU engines of this config need up to {most} cores at their most; {node} has {node_cpus}: "
+            "replicas past its cores wait (pending) until cores free up"
+            + (", and a rollout whose new version cannot start is rolled back after rollout.ready_timeout_s"
+               if rollout else "") + ":\n  " + "\n  ".join(lines))

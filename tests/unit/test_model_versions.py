@@ -117,3 +117,25 @@ def test_views_and_windows():
     assert (stats.requests, stats.errors, stats.ttft_p95_s, stats.e2e_p95_s) == (2, 1, None, 2.0)
     assert _short("The deployment failed.\nTraceback:\n  File x\nRuntimeError: boom") == \
         "The deployment failed. ... RuntimeError: boom"
+
+
+def test_models_prepare_prepares_every_versions_own_builtin_source(monkeypatch, tmp_path, capsys):
+    """`make serve` runs `shunter models prepare`: a model with `versions:` has no `source` of its own."""
+    from shunter import catalog
+    from shunter.cli import main as shunter
+
+    config = tmp_path / "versioned.yaml"
+    config.write_text("applications:\n- name: s\n  import_path: deployments.app:build_app\n  args:\n    models:\n"
+                      "    - name: smol\n      versions:\n"
+                      f"      - {{name: v1, source: '{SMOL}', weight: 100}}\n"
+                      f"      - {{name: v2, source: '{SMOL}'}}\n"
+                      "      - {name: v3, source: /models/smol-v3}\n"
+                      "    - {name: plain, source: 'builtin:all-minilm-l6-v2', task: embed}\n")
+    prepared: list[str] = []
+    monkeypatch.setattr(catalog, "resolve_source", lambda source, cache_dir=None: prepared.append(source) or
+                        f"/cache/{source}")
+    assert shunter(["models", "prepare", str(config)]) == 0
+    assert prepared == [SMOL, SMOL, "builtin:all-minilm-l6-v2"], "each builtin version, not the local dir"
+    out = capsys.readouterr().out
+    assert f"smol version v1: {SMOL} -> /cache/{SMOL}" in out and "smol version v2:" in out
+    assert "plain: builtin:all-minilm-l6-v2" in out and "v3" not in out

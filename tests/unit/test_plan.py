@@ -70,3 +70,107 @@ def test_updates_start_replacements_first_where_they_fit():
     assert roomy["smol"]["default"]["deployment"]["max_surge_percent"] == 100
     forced = parse_config({"models": [{**SMOL, "draining": {"surge_percent": 50}}, MINI]})
     assert plan_deployments(forced, CPU2)["smol"]["default"]["deployment"]["max_surge_percent"] == 50
+
+
+# Three one-core engines on a two-core node: Ray would leave the third replica pending forever.
+THREE_ON_TWO = {"models": [{**SMOL, "cpu_cores_per_replica": 1},
+                           {**SMOL, "name": "smol-b", "cpu_cores_per_replica": 1},
+                           {**MINI, "cpu_cores_per_replica": 1}]}
+NO_FIT = "the CPU engines this config starts need 3 cores; the node has 2"
+
+
+def _fix_named(message: str) -> None:
+    assert NO_FIT in message
+    for model in ("models[smol]: 1 replica", "models[smol-b]: 1 replica", "models[mini]: 1 replica"):
+        assert model in message
+    assert "cpu_cores_per_replica: shared" in message and "at least 3 cores" in message and "replicas" in message
+
+
+def test_cpu_engines_that_cannot_all_start_on_the_node_are_refused_naming_models_cores_and_fix():
+    with pytest.raises(ConfigError) as err:
+        plan_deployments(parse_config(THREE_ON_TWO), CPU2)
+    _fix_named(str(err.value))
+    auto = parse_config({"models": [{**SMOL, "replicas": 2}, MINI]})  # auto never gives an engine less than a core
+    with pytest.raises(ConfigError, match=r"need 3 cores.*\n  models\[smol\]: 2 replicas \(replicas\) x 1 core "
+                                          r"\(cpu_cores_per_replica: auto"):
+        plan_deployments(auto, CPU2)
+    ranks = parse_config({"models": [{**SMOL, "source": "org/x", "cpu_cores_per_replica": 2,
+                                      "engine": {"tensor_parallel_size": 2}}, MINI]})
+    with pytest.raises(ConfigError, match="need 3 cores"):
+        plan_deployments(ranks, CPU2)
+
+
+def test_build_app_refuses_it_before_anything_starts(monkeypatch):
+    from deployments import app
+
+    monkeypatch.setattr(app.ClusterView, "detect", classmethod(lambda cls: CPU2))
+    with pytest.raises(ConfigError) as err:
+        app.build_app(THREE_ON_TWO)
+    _fix_named(str(err.value))
+
+
+def test_shared_cores_and_min_replicas_fit_and_scaling_past_the_cores_only_warns(caplog):
+    shared = parse_config({"models": [{**SMOL, "cpu_cores_per_replica": 1}, {**SMOL, "name": "smol-b"},
+                                      {**MINI, "cpu_cores_per_replica": "shared"}]})
+    assert plan_deployments(shared, CPU2)["mini"]["default"]["cpu_cores"] == 0
+    elastic = parse_config({"models": [
+        {**SMOL, "cpu_cores_per_replica": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 2}},
+        {**MINI, "cpu_cores_per_replica": 1, "autoscaling": {"min_replicas": 0, "max_replicas": 1}}]})
+    plan_deployments(elastic, CPU2)
+    assert "need up to 3 cores at their most; the node has 2: replicas past its cores wait" in caplog.text
+    assert "models[smol]: 2 replicas (autoscaling.max_replicas) x 1 core" in caplog.text
+    caplog.clear()
+    versioned = parse_config({"models": [{"name": "v", "cpu_cores_per_replica": 1, "versions": [
+        {"name": "v1", "source": SMOL["source"], "weight": 100}, {"name": "v2", "source": SMOL["source"]}]}, MINI]})
+    assert plan_deployments(versioned, CPU2)["v"]["v2"]["cpu_cores"] == 1, "v2 starts only in a rollout"
+    assert "a rollout whose new version cannot start is rolled back" in caplog.text
+    with pytest.raises(ConfigError, match=r"models\[v\]: 2 replicas \(autoscaling.min_replicas, version v1\)"):
+        plan_deployments(parse_config({"models": [{**versioned.models[0].model_dump(mode="json"), "replicas": 1,
+                                                   "autoscaling": {"min_replicas": 2, "max_replicas": 2}}, MINI]}),
+                         CPU2)
+
+
+def test_a_cluster_that_may_add_nodes_only_warns_and_a_declared_one_is_not_checked(caplog):
+    several = ClusterView(has_gpus=False, largest_node_cpus=2, cpus_fixed=False, cpu_node="the largest Ray node")
+    plan_deployments(parse_config(THREE_ON_TWO), several)
+    assert "the largest Ray node has 2" in caplog.text and "wait for the autoscaler" in caplog.text
+    declared = {**THREE_ON_TWO, "cluster": {"node_groups": [{"name": "cpu", "count": 1, "gpus_per_node": 0,
+                                                             "cpus_per_node": 2}]}}
+    plan_deployments(parse_config(declared), CPU2)  # KubeRay gives each CPU replica a pod of its own
+
+
+def test_auto_cores_cover_the_widest_versions_ranks():
+    cfg = parse_config({"models": [{"name": "v", "versions": [
+        {"name": "v1", "source": "org/x", "weight": 100},
+        {"name": "v2", "source": "org/x", "engine": {"tensor_parallel_size": 2}}]}]})
+    assert plan_deployments(cfg, CPU2)["v"]["v2"]["cpu_cores"] == 2
+
+
+def test_config_check_and_plan_refuse_it_with_the_same_message(monkeypatch, tmp_path, capsys):
+    import yaml
+
+    from deployments import app
+    from shunter.cli import main as shunter
+
+    here = ClusterView(has_gpus=False, largest_node_cpus=2, cpu_node="this machine")  # what a 2-core machine says
+    monkeypatch.setattr(app.ClusterView, "detect", classmethod(lambda cls: here))
+
+    def config(args: dict):
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump({"applications": [
+            {"name": "s", "import_path": "deployments.app:build_app", "args": args}]}))
+        return str(path)
+
+    with pytest.raises(SystemExit) as err:
+        shunter(["config", "check", config(THREE_ON_TWO)])
+    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}: application 's': ")
+    _fix_named(str(err.value).replace("this machine", "the node"))
+    assert shunter(["plan", config(THREE_ON_TWO)]) == 1
+    out = capsys.readouterr().out
+    assert "# application 's' on this machine: 2 CPU core(s)" in out
+    _fix_named(out.replace("this machine", "the node"))
+    shared = {"models": [*THREE_ON_TWO["models"][:2], {**MINI, "cpu_cores_per_replica": "shared"}]}
+    assert shunter(["plan", config(shared)]) == 0
+    out = capsys.readouterr().out
+    assert "mini: CPU, shared cores (owns none)" in out and "CPU cores: 2 of this machine's 2 at start" in out
+    assert shunter(["config", "check", config(shared)]) == 0
