@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.quotas import KeyQuota, estimate_prompt_tokens, requested_completion_tokens
+from deployments.parsed_request import ParsedRequest
+from ops.quotas import KeyQuota, estimate_prompt_tokens
 from shunter.auth import ANONYMOUS, Caller, KeyRing, bearer_token
 from shunter.config import LimitsConfig, ShunterConfig
 from shunter.errors import ApiError
@@ -40,19 +41,29 @@ def _auth_failure(reason: str) -> None:
 
 @dataclass
 class Ticket:
-    """An admitted request's quota reservation; `settle` once it has ended."""
+    """An admitted request's quota reservation; `settle` once it has ended.
+
+    `default_max_tokens`: the completion tokens per choice the replica gives a request that names none
+    (the platform's limit, the model's context and what the key's budget can hold, whichever is least)."""
 
     caller: Caller
     model: str
     quota: KeyQuota | None
     reserved: int
     headers: dict[str, str] = field(default_factory=dict)
+    default_max_tokens: int | None = None
+    prompt_estimate: int = 0
     _settled: bool = False
 
     def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int) -> None:
+        """At the tokens really produced. A stream cut short (the client hung up, an error mid-way) has
+        counted the tokens relayed so far; one cut before the engine reported anything is charged its
+        estimated prompt, which the engine had started on."""
         if self._settled:
             return
         self._settled = True
+        if not prompt_tokens and str(status) in _CUT_SHORT:
+            prompt_tokens = self.prompt_estimate
         if self.quota is not None:
             self.quota.settle(self.reserved, prompt_tokens + completion_tokens)
         labels = {"key_name": self.caller.name, "key_id": self.caller.key_id, "model": self.model}
@@ -112,6 +123,15 @@ class AccessControl:
                            "open /admin", code="admin_key_required")
         return caller
 
+    def sees_details(self, headers: Mapping[str, str]) -> bool:
+        """Whether a caller of an open endpoint (/ready) may see the platform's internals: an admin key,
+        or anyone when no key is configured. Never refuses, never counts an auth failure."""
+        if not self.ring.enabled:
+            return True
+        token = bearer_token(headers.get("authorization") or "")
+        caller = self.ring.identify(token) if token else None
+        return caller is not None and caller.admin
+
     def _identify(self, headers: Mapping[str, str]) -> Caller:
         authorization = headers.get("authorization")
         if not authorization:
@@ -137,38 +157,49 @@ class AccessControl:
             raise ApiError(403, f"this API key ({caller.name}) may not use model {model!r}", param="model",
                            code="model_not_allowed")
 
-    def check_limits(self, endpoint: str, body: dict[str, Any]) -> None:
-        """The request's own size limits (400). Values of the wrong type are left to the engine's
-        validation, which names them."""
+    def check_limits(self, request: ParsedRequest) -> None:
+        """The request's own size limits (400), on its parsed values (a string or a float the engine
+        would coerce is held to the limit as the number it becomes)."""
         limits = self.limits
-        messages = body.get("messages")
-        if endpoint == "chat" and isinstance(messages, list) and len(messages) > limits.max_messages:
-            raise ApiError(400, f"{len(messages)} messages; this platform takes at most {limits.max_messages} "
-                           "per request", param="messages", code="too_many_messages")
-        for name in ("n", "best_of"):
-            value = body.get(name)
-            if _is_int(value) and value > limits.max_n:
-                raise ApiError(400, f"{name}={value}; this platform takes at most {limits.max_n}", param=name,
-                               code="n_too_large")
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if endpoint != "embedding" and _is_int(value) and value > limits.max_tokens:
-                raise ApiError(400, f"{name}={value}; this platform generates at most {limits.max_tokens} "
-                               "tokens per request", param=name, code="max_tokens_too_large")
+        if request.endpoint == "chat" and len(request.messages) > limits.max_messages:
+            raise ApiError(400, f"{len(request.messages)} messages; this platform takes at most "
+                           f"{limits.max_messages} per request", param="messages", code="too_many_messages")
+        if request.n > limits.max_n:
+            raise ApiError(400, f"n={request.n}; this platform takes at most {limits.max_n}", param="n",
+                           code="n_too_large")
+        if request.endpoint != "embedding" and request.max_tokens is not None \
+                and request.max_tokens > limits.max_tokens:
+            name = "max_completion_tokens" if "max_completion_tokens" in request.body else "max_tokens"
+            raise ApiError(400, f"{name}={request.max_tokens}; this platform generates at most "
+                           f"{limits.max_tokens} tokens per request", param=name, code="max_tokens_too_large")
 
     # ---- how much ----------------------------------------------------------------------------------
 
-    def admit(self, caller: Caller, model: str, endpoint: str, body: dict[str, Any]) -> Ticket:
+    def admit(self, caller: Caller, model: str, request: ParsedRequest, context_len: int | None = None) -> Ticket:
         """Take the request from the caller's quota, or raise 429 with Retry-After and the rate-limit
-        headers."""
+        headers. The reservation covers every prompt of a batch and every choice, at the completion tokens
+        asked for or, when none are, at the default the replica will apply (`context_len`: the model's
+        configured context, when known)."""
         quota = self._quota(caller)
+        prompt = estimate_prompt_tokens(request.body)
+        default = self.limits.max_tokens if context_len is None else min(self.limits.max_tokens, context_len)
+        if quota is not None and quota.tokens is not None and request.max_tokens is None:
+            # A request that names no max_tokens gets what the key's whole budget can hold at most: a
+            # default past the budget would make every such request `request_exceeds_quota`.
+            affordable = (int(quota.tokens.capacity) - prompt) // (request.n * request.prompts)
+            default = max(1, min(default, affordable))
         if quota is None:
-            return Ticket(caller, model, None, 0)
-        completion = 0 if endpoint == "embedding" else requested_completion_tokens(body)
-        reservation = estimate_prompt_tokens(body) + completion
+            return Ticket(caller, model, None, 0, default_max_tokens=default, prompt_estimate=prompt)
+        if request.endpoint == "embedding":
+            completion = 0
+        else:
+            per_choice = request.max_tokens if request.max_tokens is not None else default
+            completion = per_choice * request.n * request.prompts
+        reservation = prompt + completion
         decision = quota.admit(reservation)
         if decision.admitted:
-            return Ticket(caller, model, quota, decision.reserved, decision.headers)
+            return Ticket(caller, model, quota, decision.reserved, decision.headers, default_max_tokens=default,
+                          prompt_estimate=prompt)
         labels = {"key_name": caller.name, "key_id": caller.key_id}
         if decision.never_fits:
             _record(lambda m: m["shunter_rate_limited_total"].inc(1, tags={**labels, "limit": "too_large"}))
@@ -194,5 +225,5 @@ class AccessControl:
         return quota
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# Statuses of a request that ended before the engine's final usage arrived.
+_CUT_SHORT = {"499", "stream_error"}

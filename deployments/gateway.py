@@ -29,13 +29,16 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments import parsed_request
 from deployments.access import AccessControl
+from deployments.admin_schema import DrainBody, RolloutStartBody, WeightsBody, parse_body
 from deployments.openai_schema import (
     BEARER,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     add_components,
+    admin_body,
     request_body,
 )
 from deployments.replica_admin import ReplicaAdmin
@@ -44,7 +47,6 @@ from deployments.telemetry import (
     RequestTelemetry,
     ask_for_usage,
     replicas_routable,
-    wants_usage_chunk,
 )
 from deployments.tiering import Tiering
 from deployments.traffic import LiveVersions
@@ -55,9 +57,10 @@ from routing.failover import ReplicaFailure, with_failover
 from routing.state import DeploymentRouting, deployment_key, routing_state
 from routing.tiers import Decision
 from routing.versions import choose_version
+from shunter.auth import Caller, open_public_bind
 from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
 from shunter.errors import ApiError, error_body
-from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits
+from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits, Working
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -66,6 +69,8 @@ log = logging.getLogger("ray.serve")
 _ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed"}
 _RETRY_AFTER_S = "5"
 MAX_JSON_DEPTH = 64
+FAST_BODY_S = 0.5  # a body still arriving after this needs an upload slot (gateway.max_body_reads)
+_PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this are validated on the event loop (well under 1 ms)
 REPLICA_HEADER = "x-shunter-replica"  # which replica served the request: for operators and tests
 VERSION_HEADER = "x-shunter-version"  # which version of the model served it
 SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
@@ -126,6 +131,18 @@ def _request_id() -> str:
     return request_id or uuid.uuid4().hex
 
 
+def _http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on (the Serve config's `http_options.host`). Ray has no
+    public call for it; its client's copy of the HTTP options is read here, in this one place."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 - outside a Serve cluster (unit tests): nothing to check
+        log.warning("could not read Serve's HTTP host; the keyless-public-bind check is skipped", exc_info=True)
+        return None
+
+
 def _nesting_depth(value: Any) -> int:
     """Depth of nested lists/dicts, computed without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -135,6 +152,54 @@ def _nesting_depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+def _require_json(request: Request, optional: bool) -> None:
+    """POST and PUT bodies are JSON, said so by Content-Type (415 otherwise). Browsers send text/plain
+    and form bodies to other sites without asking first; JSON needs a preflight this gateway never
+    grants, so no web page a user opens can call it. `optional`: a request with no body at all may
+    leave the header out only when it carries a key (which a cross-site page cannot add)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "application/json" or (kind == "" and optional and _bodiless(request)
+                                      and "authorization" in request.headers):
+        return
+    raise ApiError(415, f"send the body as JSON with `Content-Type: application/json` (got "
+                   f"{kind or 'no Content-Type'})", code="unsupported_media_type")
+
+
+def _bodiless(request: Request) -> bool:
+    headers = request.headers
+    return headers.get("content-length") in (None, "0") and "transfer-encoding" not in headers
+
+
+async def _collect(request: Request, limit: int, chunks: list[bytes]) -> None:
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+
+
+def _engine_failure(error: dict[str, Any] | None) -> str | None:
+    """The message of an in-band stream error that is the engine's failure (a 5xx code), else None (no
+    error, or a client error such as a bad tool-call argument found mid-stream)."""
+    if error is None:
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and code < 500:
+        return None
+    return str(error.get("message") or code or "engine error")[:300]
+
+
+def _model_field(body: dict[str, Any]) -> str:
+    name = body.get("model")
+    if name is None:
+        raise ApiError(400, "missing required field 'model'", param="model", code="missing_field")
+    if not isinstance(name, str):
+        raise ApiError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
+                       code="invalid_type")
+    return name
 
 
 def _cancel(stream: Any) -> None:
@@ -184,7 +249,7 @@ class _RelayEnd:
             _cancel(self.stream)
         self.drains.closed(self.replica, self.routing.departed_at(self.replica), aborted)
         if self.tel is not None:
-            self.routing.finished(self.tel.request_id)
+            self.routing.finished(self.tel.routing_id)
         self.gate.release()
         if ok is not None and self.on_outcome is not None:
             self.on_outcome(ok)
@@ -242,11 +307,15 @@ class Gateway:
     def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
         """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
         self.config = ShunterConfig.model_validate(config)
+        refusal = open_public_bind(_http_host(), self.config.auth)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         self.access = AccessControl(self.config)  # reads the keys: a key that cannot be read stops us here
         limits = self.config.gateway.limits
         self.replica_limits = RequestLimits(max_tokens=limits.max_tokens, max_prompt_tokens=limits.max_prompt_tokens)
         self.tiering = Tiering(self.config) if self.config.tiers else None
         self._background: set[asyncio.Task] = set()  # the tier monitor's comparisons, kept referenced
+        parsed_request.warm_up()  # vLLM's request models: imported once here, not by the first request
         setup_tracing(self.config.observability.tracing, "gateway")
         correlate_logs()
         self.servers = model_servers
@@ -261,6 +330,7 @@ class Gateway:
         self._gates: dict[str, AdmissionGate] = {}
         self._drains: dict[str, DrainTracker] = {}
         self._routable: dict[tuple[str, str], int] = {}  # last exported replica counts
+        self._upload_slots = asyncio.Semaphore(self.config.gateway.max_body_reads)
 
     # ---- probes ---------------------------------------------------------------------------------
 
@@ -270,8 +340,10 @@ class Gateway:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready(self) -> JSONResponse:
-        """200 when every model has a replica that has answered a real request; 503 otherwise."""
+    async def ready(self, request: Request) -> JSONResponse:
+        """200 when every model has a replica that has answered a real request; 503 otherwise. The
+        details (per model: versions, replica, process, cores, placement, reasons) only for an admin key
+        (anyone when no key is configured); a probe without one gets `{"ready": ...}` alone."""
         timeout = self.config.gateway.ready_timeout_s
 
         self.traffic.ensure_started()
@@ -290,6 +362,8 @@ class Gateway:
         async def probe(model: ModelConfig) -> tuple[str, dict[str, Any] | None, str | None]:
             """A model is ready when every version that takes traffic has a replica that answers."""
             versions = self.traffic.serving(model)
+            if not versions:  # live weights that name no running version: nothing can serve it
+                return model.name, None, "no version of the model takes traffic (see GET /admin/rollouts)"
             answers = await asyncio.gather(*(probe_version(model, v) for v in versions))
             failed = [f"version {v}: {why}" if model.versioned else why
                       for v, (_, why) in zip(versions, answers, strict=True) if why]
@@ -304,7 +378,8 @@ class Gateway:
                   for name, info, why in results}
         ok = all(m["ready"] for m in models.values())
         headers = None if ok else {"Retry-After": _RETRY_AFTER_S}
-        return JSONResponse({"ready": ok, "models": models}, status_code=200 if ok else 503, headers=headers)
+        answer = {"ready": ok, "models": models} if self.access.sees_details(request.headers) else {"ready": ok}
+        return JSONResponse(answer, status_code=200 if ok else 503, headers=headers)
 
     # ---- OpenAI API -----------------------------------------------------------------------------
 
@@ -364,16 +439,19 @@ class Gateway:
     @app.post("/admin/rollouts/{model_id:path}/pause")
     async def pause_rollout(self, model_id: str, request: Request) -> Response:
         self.access.admin(request.headers)
+        await self._read_json(request, optional=True)  # JSON or nothing: never a cross-site form
         return await self._control_call(model_id, "pause")
 
     @app.post("/admin/rollouts/{model_id:path}/resume")
     async def resume_rollout(self, model_id: str, request: Request) -> Response:
         self.access.admin(request.headers)
+        await self._read_json(request, optional=True)  # JSON or nothing: never a cross-site form
         return await self._control_call(model_id, "resume")
 
     @app.post("/admin/rollouts/{model_id:path}/rollback")
     async def rollback_rollout(self, model_id: str, request: Request) -> Response:
         self.access.admin(request.headers)
+        await self._read_json(request, optional=True)  # JSON or nothing: never a cross-site form
         return await self._control_call(model_id, "rollback")
 
     @app.get("/admin/rollouts/{model_id:path}")
@@ -385,16 +463,13 @@ class Gateway:
         await self.traffic.refresh_now()
         return JSONResponse(self._rollout_status(model))
 
-    @app.post("/admin/rollouts/{model_id:path}")
+    @app.post("/admin/rollouts/{model_id:path}", openapi_extra=admin_body(RolloutStartBody))
     async def start_rollout(self, model_id: str, request: Request) -> Response:
         """Body: {"to": VERSION} plus any of the model's `rollout` settings to use for this rollout only
         (steps, hold_s, max_hold_s, ready_timeout_s, gates)."""
         self.access.admin(request.headers)
-        body = await self._read_json(request)
-        to = body.pop("to", None)
-        if not isinstance(to, str):
-            return _error(400, "give the version to roll out to as 'to'", param="to", code="missing_field")
-        return await self._control_call(model_id, "start", to=to, overrides=body)
+        body = parse_body(RolloutStartBody, await self._read_json(request))
+        return await self._control_call(model_id, "start", to=body.to, overrides=body.model_extra or {})
 
     @app.get("/admin/tiers")
     async def tier_status(self, request: Request) -> Response:
@@ -404,18 +479,13 @@ class Gateway:
             return _error(404, "tier routing is off (no `tiers:` in the config)", code="tiers_off")
         return JSONResponse(self.tiering.status())
 
-    @app.put("/admin/models/{model_id:path}/weights")
+    @app.put("/admin/models/{model_id:path}/weights", openapi_extra=admin_body(WeightsBody))
     async def set_weights(self, model_id: str, request: Request) -> Response:
         """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
         retired. Refused while a rollout of the model is in progress."""
         self.access.admin(request.headers)
-        body = await self._read_json(request)
-        weights = body.get("weights")
-        if not isinstance(weights, dict) or not all(isinstance(w, int | float) and not isinstance(w, bool)
-                                                    for w in weights.values()):
-            return _error(400, "give 'weights' as an object of version: number", param="weights",
-                          code="invalid_type")
-        return await self._control_call(model_id, "weights", weights=[(str(v), float(w)) for v, w in weights.items()])
+        body = parse_body(WeightsBody, await self._read_json(request))
+        return await self._control_call(model_id, "weights", weights=list(body.weights.items()))
 
     # ---- admin API: replicas (drain one: no new requests, then Ray Serve replaces it once idle) ---------
 
@@ -429,26 +499,18 @@ class Gateway:
         await self.traffic.refresh_now()
         return JSONResponse({"model": model.name, "replicas": await self.replicas.replicas(model)})
 
-    @app.post("/admin/models/{model_id:path}/replicas/{replica_id}/drain")
+    @app.post("/admin/models/{model_id:path}/replicas/{replica_id}/drain", openapi_extra=admin_body(DrainBody))
     async def drain_replica(self, model_id: str, replica_id: str, request: Request) -> Response:
         """Body (optional): {"replace": true, "timeout_s": the model's draining.timeout_s, "force": false}.
         Cordons the replica on every gateway; with `replace`, Ray Serve replaces it once it holds no
         request (at the latest after timeout_s). Refused for the last routable replica without `force`,
         and while the model has a rollout in progress."""
         self.access.admin(request.headers)
+        body = parse_body(DrainBody, await self._read_json(request, optional=True))
         model = self._admin_model(model_id)
-        headers = request.headers
-        no_body = headers.get("content-length") == "0" or not ({"content-length", "transfer-encoding"} & set(headers))
-        body = {} if no_body else await self._read_json(request)
-        replace, force = body.get("replace", True), body.get("force", False)
-        within_s = body.get("timeout_s", model.draining.timeout_s)
-        if not isinstance(replace, bool) or not isinstance(force, bool):
-            return _error(400, "'replace' and 'force' are true or false", code="invalid_type")
-        if isinstance(within_s, bool) or not isinstance(within_s, int | float) or not 0 <= within_s <= 86400:
-            return _error(400, "'timeout_s' is a number of seconds from 0 to 86400", param="timeout_s",
-                          code="invalid_value")
+        within_s = body.timeout_s if body.timeout_s is not None else model.draining.timeout_s
         self.traffic.ensure_started()
-        answer = await self.replicas.drain(model, replica_id, replace, float(within_s), force)
+        answer = await self.replicas.drain(model, replica_id, body.replace, float(within_s), body.force)
         return JSONResponse(answer, status_code=202)
 
     @app.delete("/admin/models/{model_id:path}/replicas/{replica_id}/drain")
@@ -512,28 +574,35 @@ class Gateway:
     async def _forward(self, request: Request, endpoint: str) -> Response:
         caller = self.access.client(request.headers)  # before the body is read: strangers cost nothing
         body = await self._read_json(request)
+        name = _model_field(body)
+        # Validate once, on typed values: every decision below reads the parsed request.
+        parsed = await self._parse(request, endpoint, body)
+        body = parsed.body
         tier = None
-        if self.tiering is not None and body.get("model") == self.tiering.name:
+        if self.tiering is not None and name == self.tiering.name:
             tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
-            body["model"] = tier.tier.model
-        model = self._resolve_model(body, endpoint)
+            name = tier.tier.model
+        model = self._resolve_model(name, endpoint, caller)
         self.access.check_model(caller, model.name)
-        self.access.check_limits(endpoint, body)
-        body["model"] = model.name  # the engine knows the canonical name only
-        tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), wants_usage_chunk(body),
-                               log_prompt=self._prompt_for_logs(body))
+        self.access.check_limits(parsed)
+        body = {**body, "model": model.name}  # the engine knows the canonical name only
+        tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), parsed.usage_chunk,
+                               log_prompt=self._prompt_for_logs(body), continuous_usage=parsed.continuous_usage)
+        tel.choices_per_prompt = parsed.n
         if tier is not None:
             self._follow_tier(tier, endpoint, body, tel)
         try:
-            ticket = self.access.admit(caller, model.name, endpoint, body)
+            ticket = self.access.admit(caller, model.name, parsed, model.engine.max_model_len)
         except ApiError as refused:
             tel.finish(refused.status)
             raise
         tel.on_finish.append(ticket.settle)
+        limits = RequestLimits(max_tokens=ticket.default_max_tokens,
+                               max_prompt_tokens=self.config.gateway.limits.max_prompt_tokens)
         timeout = self.config.gateway.limits.request_timeout_s
         with tel.use():
             try:
-                response = await asyncio.wait_for(self._admit(request, model, endpoint, body, tel), timeout)
+                response = await asyncio.wait_for(self._admit(request, model, endpoint, body, tel, limits), timeout)
             except asyncio.TimeoutError:
                 log.warning("model %s request %s: no reply within the request timeout of %gs", model.name,
                             tel.request_id, timeout)
@@ -548,7 +617,7 @@ class Gateway:
 
     def _follow_tier(self, tier: Decision, endpoint: str, body: dict[str, Any], tel: RequestTelemetry) -> None:
         """A tier-routed request: its decision on the trace, its tokens and cost when it ends, and, for a
-        sampled one, the monitor's comparison with the top tier once it has been answered."""
+        sampled one, the monitor's comparison of both tiers once it has been answered."""
         tiering = self.tiering
         assert tiering is not None
         tel.span.set_attributes({"shunter.tier": tier.tier.name, "shunter.tier.class": tier.request_class,
@@ -556,7 +625,6 @@ class Gateway:
         tel.on_finish.append(lambda status, prompt, completion: tiering.finished(tier, status, prompt, completion))
         if not tiering.sampled(tier):
             return
-        tel.collect_text = True
         asked = dict(body)
 
         def compare(status: int | str, prompt: int, completion: int) -> None:
@@ -564,7 +632,7 @@ class Gateway:
                 return
             try:
                 task = asyncio.get_running_loop().create_task(
-                    tiering.judge(tier, endpoint, asked, "".join(tel.text), self._ask_internal))
+                    tiering.judge(tier, endpoint, asked, self._ask_internal))
             except RuntimeError:  # finished outside the event loop (a dropped relay): skip the sample
                 return
             self._background.add(task)
@@ -591,14 +659,14 @@ class Gateway:
         tel = RequestTelemetry(model.name, "tier_monitor", {}, uuid.uuid4().hex)
         response: Response | None = None
         try:  # the same path as a client's whole reply: versions, failover, breakers, outcome records
-            response = await self._admitted(model, endpoint, body, versions, gate, tel)
+            response = await self._admitted(model, endpoint, body, versions, gate, tel, self.replica_limits)
         finally:
             gate.release()
             tel.finish(response.status_code if response is not None else 503)
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],
-                     tel: RequestTelemetry) -> Response:
+                     tel: RequestTelemetry, limits: RequestLimits) -> Response:
         self.traffic.ensure_started()
         versions = self._versions_for(model, request, body)
         if not versions:
@@ -618,7 +686,7 @@ class Gateway:
         tel.admitted()
         relayed = False
         try:
-            response = await self._admitted(model, endpoint, ask_for_usage(body), versions, gate, tel)
+            response = await self._admitted(model, endpoint, ask_for_usage(body), versions, gate, tel, limits)
             relayed = isinstance(response, StreamingResponse)
             return response
         finally:
@@ -652,13 +720,13 @@ class Gateway:
         return [v for v in ordered if self._routing_state(model, v).unavailable_for_s() is None]
 
     async def _admitted(self, model: ModelConfig, endpoint: str, body: dict[str, Any], versions: list[str],
-                        gate: AdmissionGate, tel: RequestTelemetry) -> Response:
+                        gate: AdmissionGate, tel: RequestTelemetry, limits: RequestLimits) -> Response:
         request_id = tel.request_id
         began = time.monotonic()
         for i, version in enumerate(versions):
             routing = self._routing_state(model, version)
             try:
-                started = await self._start(model, version, routing, endpoint, body, request_id, tel)
+                started = await self._start(model, version, routing, endpoint, body, tel, limits)
             except _VersionFailed as failed:
                 self.traffic.record(model, version, False, None, None)
                 if i + 1 < len(versions):
@@ -671,7 +739,7 @@ class Gateway:
             headers = {REPLICA_HEADER: started.replica, VERSION_HEADER: version}
             if not started.head["stream"]:
                 tel.whole_reply(started.head["body"])
-                routing.finished(request_id)
+                routing.finished(tel.routing_id)
                 routing.record_outcome(started.replica, False)
                 if started.head["status"] < 400:  # a client error says nothing about the version
                     self.traffic.record(model, version, True, None, first_byte_s)
@@ -688,13 +756,15 @@ class Gateway:
         raise AssertionError("no version to send to")  # _forward never passes an empty list
 
     async def _start(self, model: ModelConfig, version: str, routing: DeploymentRouting, endpoint: str,
-                     body: dict[str, Any], request_id: str, tel: RequestTelemetry) -> _Started:
+                     body: dict[str, Any], tel: RequestTelemetry, limits: RequestLimits) -> _Started:
         """Start the request on one version, failing over once between its replicas. Raises _VersionFailed
         with the client's response when the version cannot serve it."""
 
+        routing_id = tel.routing_id
+
         def failed(failure: ReplicaFailure) -> None:
             log.warning("model %s request %s: replica %s failed before the first byte: %s", model.name,
-                        request_id, failure.replica, failure.why)
+                        tel.request_id, failure.replica, failure.why)
             routing.record_outcome(failure.replica, True, failure.why)
 
         async def attempt(avoid: tuple[str, ...]) -> _Started:
@@ -703,14 +773,14 @@ class Gateway:
             carrier = tel.routing(version, attempt=len(avoid) + 1)
             try:
                 return await self._attempt(model, version, routing, tel,
-                                           ReplicaRequest(request_id=request_id, avoid=avoid, endpoint=endpoint,
-                                                          body=body, trace=carrier, limits=self.replica_limits))
+                                           ReplicaRequest(request_id=routing_id, avoid=avoid, endpoint=endpoint,
+                                                          body=body, trace=carrier, limits=limits))
             except BaseException as exc:
                 tel.attempt_failed(type(exc).__name__)
-                routing.finished(request_id)  # Ray does not always report a failed or cancelled call
+                routing.finished(routing_id)  # Ray does not always report a failed or cancelled call
                 raise
             finally:
-                routing.first_byte(request_id)  # answered or failed: its prefill no longer queues anywhere
+                routing.first_byte(routing_id)  # answered or failed: its prefill no longer queues anywhere
 
         try:
             return await with_failover(attempt, model.routing.retry_once, failed)
@@ -796,6 +866,9 @@ class Gateway:
         pending = asyncio.ensure_future(stream.__anext__())
         try:
             while True:
+                if pending.done() and isinstance(pending.result(), Working):  # alive: the silence starts over
+                    silent_until = time.monotonic() + min(silence, idle_s)
+                    pending = asyncio.ensure_future(stream.__anext__())
                 now = time.monotonic()
                 departed = routing.departed_at(replica)
                 drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
@@ -807,7 +880,7 @@ class Gateway:
                     raise _StreamIdle() if idle_s < silence else asyncio.TimeoutError()
                 done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, deadline,
                                                                     now + 1.0) - now)
-                if done:
+                if done and not isinstance(pending.result(), Working):
                     return pending.result()
         finally:
             if not pending.done():
@@ -835,8 +908,13 @@ class Gateway:
                     chunk = end.tel.chunk(chunk)
                 if chunk is not None:
                     yield chunk
-            finished = ok = True
-            routing.record_outcome(replica, False)
+            finished = True
+            broke = _engine_failure(end.tel.in_band_error if end.tel is not None else None)
+            if broke is not None:  # vLLM ends a stream whose engine failed with an error event and [DONE]
+                log.warning("model %s: stream from replica %s carried an engine error: %s", model.name, replica,
+                            broke)
+            ok = broke is None
+            routing.record_outcome(replica, not ok, None if ok else f"engine error mid-stream: {broke}")
         except _DrainTimeout:
             aborted = True
             drain = model.draining.timeout_s
@@ -923,33 +1001,26 @@ class Gateway:
                 model.routing, version=version)
         return state
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.config.gateway.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+    async def _read_json(self, request: Request, optional: bool = False) -> dict[str, Any]:
+        """The request's JSON object. `optional`: an empty body is {} (admin actions with no settings)."""
+        _require_json(request, optional)
+        raw = await self._read_body(request)
+        request.state.body_bytes = len(raw)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})",
                            code="invalid_encoding") from None
         if not text.strip():
+            if optional:
+                return {}
             raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
         try:
-            body = json.loads(text)
+            body = parsed_request.load_json(text)
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                                 f"column {exc.colno}", code="invalid_json") from None
-        except (ValueError, RecursionError) as exc:  # a number past 4300 digits, nesting past the parser's depth
+        except (ValueError, RecursionError) as exc:  # NaN/Infinity, a number past 4300 digits, deep nesting
             raise ApiError(400, f"request body is not acceptable JSON: {str(exc)[:120]}",
                            code="invalid_json") from None
         if _nesting_depth(body) > MAX_JSON_DEPTH:
@@ -961,17 +1032,54 @@ class Gateway:
                            code="invalid_json")
         return body
 
-    def _resolve_model(self, body: dict[str, Any], endpoint: str) -> ModelConfig:
-        name = body.get("model")
-        if name is None:
-            raise ApiError(400, "missing required field 'model'", param="model", code="missing_field")
-        if not isinstance(name, str):
-            raise ApiError(400, f"'model' must be a string, got {type(name).__name__}", param="model",
-                           code="invalid_type")
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within max_body_bytes (413) and gateway.body_timeout_s (408). A body still arriving
+        after FAST_BODY_S needs one of `max_body_reads` upload slots, or is refused at once (503): a request
+        holds one of this replica's `max_ongoing_requests` slots while its body arrives, and without this
+        bound a client trickling bodies over many connections would hold them all."""
+        limit, timeout = self.config.gateway.max_body_bytes, self.config.gateway.body_timeout_s
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}",
+                           code="request_too_large")
+        chunks: list[bytes] = []
+        reading = asyncio.ensure_future(_collect(request, limit, chunks))
+        slot = False
+        try:
+            done, _ = await asyncio.wait({reading}, timeout=min(FAST_BODY_S, timeout))
+            if not done:
+                if self._upload_slots.locked():
+                    raise ApiError(503, "too many slow request bodies are arriving at this gateway; send the "
+                                   "body at once, or retry shortly", code="too_many_uploads",
+                                   headers={"Retry-After": "1"})
+                await self._upload_slots.acquire()
+                slot = True
+                done, _ = await asyncio.wait({reading}, timeout=max(0.0, timeout - FAST_BODY_S))
+                if not done:
+                    raise ApiError(408, f"the request body did not arrive within {timeout:g}s",
+                                   code="body_timeout")
+            reading.result()  # 413 past the limit
+        finally:
+            if not reading.done():
+                reading.cancel()
+            if slot:
+                self._upload_slots.release()
+        return b"".join(chunks)
+
+    @staticmethod
+    async def _parse(request: Request, endpoint: str, body: dict[str, Any]) -> parsed_request.ParsedRequest:
+        """The request parsed by the engine's own model. Small bodies are parsed on the event loop; a
+        large one (up to max_body_bytes) in a thread, so it never stalls the other requests."""
+        if getattr(request.state, "body_bytes", 0) < _PARSE_INLINE_BYTES:
+            return parsed_request.parse(endpoint, body)
+        return await asyncio.to_thread(parsed_request.parse, endpoint, body)
+
+    def _resolve_model(self, name: str, endpoint: str, caller: Caller) -> ModelConfig:
         model = self.config.find_model(name)
         if model is None:
-            known = ", ".join(m.name for m in self.config.models)
-            raise ApiError(404, f"model {name!r} does not exist; served models: {known}", param="model",
+            visible = [m.name for m in self.config.models if caller.may_use(m.name)]
+            raise ApiError(404, f"model {name!r} does not exist; models this key may use: "
+                           f"{', '.join(visible) or 'none'} (GET /v1/models)", param="model",
                            code="model_not_found")
         if _ENDPOINT_TASK[endpoint] != model.task:
             what = "an embedding model; use /v1/embeddings" if model.task == "embed" else \

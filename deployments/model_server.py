@@ -10,7 +10,8 @@ It yields, in order:
    waits for this, so a model with no replica able to take work gets a 503 instead of a hang, and learns
    which replica serves it, for its circuit breakers and failover);
 2. the reply head `{status, body, stream}`: the gateway decides the HTTP status from it before any byte
-   goes to the client (a non-streaming reply arrives whole, here);
+   goes to the client (a non-streaming reply arrives whole, here, after `Working()` heartbeats every few
+   seconds while it is computed);
 3. if the reply streams, its SSE text chunks.
 """
 
@@ -30,7 +31,7 @@ from deployments.replica_telemetry import EngineMetrics, traced
 from ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
 from shunter.errors import error_body
-from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint
+from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint, Working
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -63,6 +64,8 @@ class ModelServer:
         setup_tracing(ObservabilityConfig.model_validate(observability or {}).tracing, "model_server")
         correlate_logs()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # Well inside the gateway's silence bound, so a reply still being computed is never taken for a hang.
+        self._heartbeat_s = max(0.5, min(10.0, self.model.routing.replica_timeout_s / 3))
         self._cores = None
         self._group = None
         self._retire: tuple[float, float] | None = None  # (not before, at the latest): see `retire`
@@ -113,7 +116,22 @@ class ModelServer:
         if refusal is not None:
             yield {"status": 400, "body": refusal, "stream": False}
             return
-        reply = await getattr(self.engine, request.endpoint)(body)
+        # A whole (not streamed) reply may take longer than the gateway's `replica_timeout_s`: while its
+        # engine makes progress the replica says it is still working, so only a hang (no progress) is
+        # silence, which the gateway counts as the replica's failure.
+        work = asyncio.ensure_future(getattr(self.engine, request.endpoint)(body))
+        progress = getattr(self.engine, "progress", None)
+        seen = progress() if progress else None
+        try:
+            while not (await asyncio.wait({work}, timeout=self._heartbeat_s))[0]:
+                now = progress() if progress else None
+                if now != seen or progress is None:
+                    seen = now
+                    yield Working()
+        finally:
+            if not work.done():
+                work.cancel()
+        reply = work.result()
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
             async for chunk in reply.stream:
@@ -123,13 +141,15 @@ class ModelServer:
         """The body to run, with the default max_tokens filled in; or a 400 body for a prompt past the
         limit. Only the replica knows the context length and has the tokenizer."""
         body, limits = request.body, request.limits
-        # Chat only: a completion that names no max_tokens gets OpenAI's (and vLLM's) default of 16.
-        if request.endpoint == "chat" and limits.max_tokens is not None \
-                and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        # A chat that names no max_tokens, or a completion that sends null, would otherwise generate up to
+        # the context (a completion that leaves it out gets OpenAI's and vLLM's default of 16).
+        unnamed = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+        if limits.max_tokens is not None and unnamed and (request.endpoint == "chat" or (
+                request.endpoint == "completion" and "max_tokens" in body)):
             # vLLM refuses max_tokens past the context length and trims it to what the prompt leaves.
             body = {**body, "max_tokens": min(limits.max_tokens, self.engine.max_model_len())}
         if limits.max_prompt_tokens is not None:
-            tokens = await asyncio.to_thread(self.engine.count_prompt_tokens, request.endpoint, body)
+            tokens = await self.engine.count_prompt_tokens(request.endpoint, body)
             if tokens is not None and tokens > limits.max_prompt_tokens:
                 param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
                 return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "

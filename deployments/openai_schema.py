@@ -2,7 +2,7 @@
 
 These models document the API and drive schema-based fuzzing; they do not validate requests. The
 gateway reads bodies itself (so its errors stay OpenAI-shaped and its size limits hold before parsing)
-and vLLM's own request models inside the replica check every field. Fields list the common OpenAI
+and parses them with vLLM's own request models (deployments.parsed_request), as the replica does again. Fields list the common OpenAI
 parameters; others vLLM accepts pass through (`extra="allow"`).
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.admin_schema import ADMIN_BODIES
 
 _REF = "#/components/schemas/{model}"
 
@@ -82,11 +84,16 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
             "security": [{BEARER: []}]}
 
 
+def admin_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for an admin route whose JSON body is `model`."""
+    return request_body(model)
+
+
 def add_components(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the request models and the bearer scheme to a generated OpenAPI document."""
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
-    for model in REQUESTS:
+    for model in (*REQUESTS, *ADMIN_BODIES):
         body = model.model_json_schema(ref_template=_REF)
         schemas.update(body.pop("$defs", {}))
         schemas[model.__name__] = body

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -50,19 +51,14 @@ def replicas_routable(model: str, version: str, count: int) -> None:
     _record(lambda m: m["shunter_replicas_routable"].set(count, tags={"model": model, "version": version}))
 
 
-def wants_usage_chunk(body: dict[str, Any]) -> bool:
-    """Whether the client asked for the final usage chunk of a stream itself."""
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
 def ask_for_usage(body: dict[str, Any]) -> dict[str, Any]:
-    """The body to send to the engine: a stream always ends with a usage chunk, so tokens are counted."""
-    if not body.get("stream"):
+    """The body to send to the engine (`stream` already parsed to a bool): a stream carries its running
+    usage on every chunk and ends with a usage chunk, so every token is counted, however it ends."""
+    if body.get("stream") is not True:
         return body
     options = body.get("stream_options")
     options = dict(options) if isinstance(options, dict) else {}
-    options["include_usage"] = True
+    options.update(include_usage=True, continuous_usage_stats=True)
     return {**body, "stream_options": options}
 
 
@@ -70,9 +66,13 @@ class RequestTelemetry:
     """One request's metrics and spans; see the module docstring."""
 
     def __init__(self, model: str, endpoint: str, headers: Any, request_id: str, client_wants_usage: bool = False,
-                 log_prompt: str | None = None):
+                 log_prompt: str | None = None, continuous_usage: bool = False):
         self.model, self.endpoint, self.request_id = model, endpoint, request_id
+        # The routers' bookkeeping key: unique per request, whatever X-Request-ID a client sends (Serve
+        # takes the client's id as the request id, so two requests may share one).
+        self.routing_id = uuid.uuid4().hex
         self.client_wants_usage = client_wants_usage
+        self.client_wants_continuous_usage = continuous_usage
         self.version = "default"
         self.began = time.monotonic()
         self.first_token_at: float | None = None
@@ -93,9 +93,14 @@ class RequestTelemetry:
         self._route_span: trace.Span | None = None
         # Called once at the end with (status, prompt tokens, completion tokens): the caller's quota.
         self.on_finish: list[Callable[[int | str, int, int], None]] = []
-        # The answer's text (first choice), gathered only when asked: the tier monitor's samples.
-        self.collect_text = False
-        self.text: list[str] = []
+        self.choices_per_prompt = 1  # `n`: a completions batch numbers its choices prompt by prompt
+        # Running usage of a stream, from the engine's per-chunk usage: per choice index, the completion
+        # tokens so far; per prompt, its prompt tokens. A stream cut short is settled at these.
+        self._completion_by_choice: dict[int, int] = {}
+        self._prompt_by_prompt: dict[int, int] = {}
+        # An error event inside a 200 stream (vLLM reports an engine failure mid-stream in-band, then
+        # [DONE]): its `error` object, for the relay to count as the replica's failure.
+        self.in_band_error: dict[str, Any] | None = None
 
     @property
     def trace_id(self) -> str | None:
@@ -146,18 +151,28 @@ class RequestTelemetry:
         self.span.set_attributes({"shunter.version": self.version, "shunter.replica": self.replica or ""})
 
     def chunk(self, text: str) -> str | None:
-        """A stream chunk on its way to the client. Returns it, or None to drop it (the usage chunk the
-        client did not ask for). Token chunks time TTFT and the inter-token gaps."""
+        """A stream chunk on its way to the client. Returns it, or None to drop it (the final usage chunk
+        the client did not ask for). The platform asks the engine for usage on every chunk (so a stream
+        cut short is settled at the tokens it produced); a client that did not ask for that gets its
+        chunks without it. Token chunks time TTFT and the inter-token gaps."""
+        if not text.startswith("data: {"):
+            return text
         now = time.monotonic()
-        if text.startswith("data: {") and '"usage"' in text:  # cheap test first: parse only these
-            data = _event_json(text)
-            if isinstance(data.get("usage"), dict):
-                self._usage(data["usage"])
-                if not data.get("choices"):  # the final usage-only chunk
-                    return text if self.client_wants_usage else None
-        if self.collect_text and text.startswith("data: {"):
-            self.text.append(choice_text(_event_json(text)) or "")
-        if text.startswith("data: {"):
+        data = _event_json(text)
+        choices = data.get("choices")
+        if not choices and isinstance(data.get("error"), dict):
+            self.in_band_error = data["error"]
+            return text
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            if not choices:  # the final usage-only chunk: the totals
+                self._usage(usage)
+                return text if self.client_wants_usage else None
+            self._running_usage(choices, usage)
+            if not self.client_wants_continuous_usage:
+                del data["usage"]
+                text = f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        if choices:
             self.streamed = True
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -172,8 +187,6 @@ class RequestTelemetry:
         self.first_token_at = time.monotonic()
         if isinstance(body, dict) and isinstance(body.get("usage"), dict):
             self._usage(body["usage"])
-        if self.collect_text and isinstance(body, dict):
-            self.text.append(choice_text(body) or "")
 
     def finish(self, status: int | str) -> None:
         """The request is over, with the status the client saw. Called once; later calls do nothing."""
@@ -226,6 +239,18 @@ class RequestTelemetry:
     def _usage(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    def _running_usage(self, choices: list[Any], usage: dict[str, Any]) -> None:
+        """One chunk's running usage (vLLM's `continuous_usage_stats`: the chunk's choice's completion
+        tokens so far and its prompt's tokens)."""
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        index = choice.get("index", 0)
+        if not isinstance(index, int):
+            return
+        self._completion_by_choice[index] = int(usage.get("completion_tokens") or 0)
+        self._prompt_by_prompt[index // max(1, self.choices_per_prompt)] = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens = sum(self._completion_by_choice.values())
+        self.prompt_tokens = sum(self._prompt_by_prompt.values())
 
     def _leave_queue(self) -> None:
         if self._queued:

@@ -9,6 +9,7 @@ and with several gateway replicas each learns from the samples it took.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -36,9 +37,10 @@ TIER_REASON_HEADER = "x-shunter-tier-reason"  # class, complexity, why this tier
 _NAMES = ("shunter_tier_requests_total", "shunter_tier_tokens_total", "shunter_tier_cost_total",
           "shunter_tier_agreement", "shunter_tier_promotions_total", "shunter_tier_class_floor")
 _record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
-# Sampling parameters the monitor's reference request drops: the top tier answers greedily, once.
-_REFERENCE_DROPS = ("stream", "stream_options", "n", "best_of", "seed", "temperature", "top_p", "top_k",
-                    "logprobs", "top_logprobs", "user", "presence_penalty", "frequency_penalty")
+# What the monitor takes from a sampled request: the question only. Both tiers answer it greedily, at
+# the monitor's own length.
+_JUDGED = ("messages", "prompt", "tools")
+MONITOR_MAX_TOKENS = 64
 
 Ask = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 
@@ -110,15 +112,18 @@ class Tiering:
 
         _record(record)
 
-    async def judge(self, decision: Decision, endpoint: str, body: dict[str, Any], answer: str, ask: Ask) -> float | None:
-        """Ask the top tier the same request (greedily), compare the two answers by embedding, record the
-        agreement, promote the class when its window falls short. Returns the agreement (None when a
-        step could not be done: the monitor then skips the sample)."""
-        reference_body = {k: v for k, v in body.items() if k not in _REFERENCE_DROPS}
-        reference_body.update(model=self.top.model, temperature=0)
-        reply = await ask(self.top.model, endpoint, reference_body)
-        reference = choice_text(reply) if reply else None
-        if reference is None or not answer.strip() or not reference.strip() or self.embedding_model is None:
+    async def judge(self, decision: Decision, endpoint: str, body: dict[str, Any], ask: Ask) -> float | None:
+        """Ask the served tier and the top tier the same request, greedily, with the monitor's own length
+        (never the client's sampling: a client choosing temperature 2, max_tokens 1 or a logit_bias would
+        otherwise decide the comparison, and one crafted request could promote a class for everyone),
+        compare the two answers by embedding, record the agreement, promote the class when its window
+        falls short. Returns the agreement (None when a step could not be done: the sample is skipped)."""
+        question = {k: body[k] for k in _JUDGED if k in body}
+        question.update(temperature=0, max_tokens=MONITOR_MAX_TOKENS)
+        served, top = await asyncio.gather(ask(decision.tier.model, endpoint, {**question, "model": decision.tier.model}),
+                                           ask(self.top.model, endpoint, {**question, "model": self.top.model}))
+        answer, reference = (choice_text(reply) if reply else None for reply in (served, top))
+        if not answer or not reference or not answer.strip() or not reference.strip() or self.embedding_model is None:
             return None
         vectors = await ask(self.embedding_model, "embedding", {"model": self.embedding_model,
                                                                  "input": [answer, reference]})

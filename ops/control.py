@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 import time
 from collections import deque
@@ -255,8 +256,8 @@ class ShunterControl:
             if unknown:
                 raise RolloutRefused(f"model {model!r} has no version {unknown[0]!r}; it has: "
                                      f"{', '.join(context['versions'])}")
-            if any(w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
-                raise RolloutRefused(f"weights need a version above 0 and none below 0: {dict(weights)}")
+            if any(not math.isfinite(w) or w < 0 for _, w in weights) or sum(w for _, w in weights) <= 0:
+                raise RolloutRefused(f"weights are finite numbers, none below 0 and one above: {dict(weights)}")
             self._set_model(context, weights, frozenset(v for v, w in weights if w > 0))
             self._save()
             log.info("model %s: traffic weights set to %s by an operator", model, dict(weights))

@@ -2,8 +2,8 @@
 
 Each bucket holds up to one minute's budget and refills continuously, so a key may burst its whole
 minute at once and then runs at its rate. A request takes one request token and reserves its tokens
-up front: its prompt estimate (characters / 4) plus the completion tokens it asks for (`max_tokens`
-times `n`; nothing when it does not say). When it ends, it is settled at its real usage (the engine's
+up front: its prompt estimate (characters / 4) plus the completion tokens it may generate (`max_tokens`
+times `n` times the prompts of a batch; when it names no `max_tokens`, the default the replica applies). When it ends, it is settled at its real usage (the engine's
 `usage`): the difference is given back or charged, and a charge may take the bucket below zero, so a
 key that under-declared pays the debt by waiting. Reserving up front stops a burst of large requests
 from all passing while the bucket still shows budget; settling afterwards keeps the books exact.
@@ -19,6 +19,7 @@ key's limit and this replica's remaining budget scaled back to the whole key.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -145,32 +146,33 @@ def duration(seconds: float) -> str:
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """A cheap guess of a request's prompt tokens from its text (no tokenizer at the gateway): characters
-    / 4, token-id lists by their length, plus a few tokens per chat message."""
+    / 4 of every text the prompt is made of (message contents as strings or as parts, tool calls, tool
+    definitions, documents, every prompt of a batch), token-id lists by their length, plus a few tokens per
+    chat message. The replica counts exactly (limits) and the engine's usage settles the quota."""
     total, messages = 0, body.get("messages")
     if isinstance(messages, list):
-        for message in messages:
-            total += MESSAGE_OVERHEAD_TOKENS
-            if isinstance(message, dict):
-                total += _text_tokens(message.get("content"))
+        total += MESSAGE_OVERHEAD_TOKENS * len(messages) + _text_tokens(messages)
+    for key in ("tools", "documents", "functions"):
+        if body.get(key):
+            total += math.ceil(len(json.dumps(body[key], ensure_ascii=False)) / CHARS_PER_TOKEN)
     for key in ("prompt", "input"):
         total += _text_tokens(body.get(key))
     return total
 
 
 def _text_tokens(value: Any) -> int:
-    if isinstance(value, str):
-        return math.ceil(len(value) / CHARS_PER_TOKEN)
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value):
-            return len(value)  # token ids
-        return sum(_text_tokens(v.get("text") if isinstance(v, dict) else v) for v in value)
-    return 0
-
-
-def requested_completion_tokens(body: dict[str, Any]) -> int:
-    """The completion tokens a request asks for at most: max_tokens (or max_completion_tokens) times n."""
-    asked = body.get("max_completion_tokens", body.get("max_tokens"))
-    n = body.get("n")
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-        return 0
-    return asked * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+    """Tokens of the text inside `value`: strings anywhere in it (never dict keys), token-id lists by
+    length. Walked without recursion (the gateway bounds nesting depth, but not breadth)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += math.ceil(len(item) / CHARS_PER_TOKEN)
+        elif isinstance(item, list):
+            if item and all(isinstance(v, int) and not isinstance(v, bool) for v in item):
+                total += len(item)  # token ids
+            else:
+                stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return total

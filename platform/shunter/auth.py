@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -141,3 +142,28 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return token
+
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether an HTTP bind address reaches only this machine (Ray Serve's default host is 127.0.0.1)."""
+    if host is None or host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it resolves to some interface, maybe a public one
+        return False
+
+
+def open_public_bind(host: str | None, auth: AuthConfig) -> str | None:
+    """Why serving on `host` with `auth` must not start (None: it may): no key at all, an address other
+    machines reach, and no explicit `auth.anonymous: true`. Anyone reaching such a gateway could use
+    every model and every /admin action (start, pause or roll back a rollout, drain replicas)."""
+    if auth.enabled or auth.anonymous or is_loopback(host):
+        return None
+    return (f"refusing to serve with no API keys on {host}, an address other machines reach: anyone who can "
+            "connect could use every model and /admin. Configure `auth.keys` and `auth.admin_keys`, bind "
+            "http_options.host to 127.0.0.1, or, behind a proxy that authenticates, say so with "
+            "`auth.anonymous: true`")

@@ -8,6 +8,7 @@ for it and watches. Killing it at any point changes nothing: run `shunter rollou
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any
@@ -87,7 +88,8 @@ def _call(url: str, method: str, path: str, body: dict[str, Any] | None = None) 
 
     try:
         with _client(url) as http:
-            resp = http.request(method, path, json=body)
+            # POST and PUT always carry a JSON body (the gateway takes no other content type).
+            resp = http.request(method, path, json=body if body is not None or method in ("GET", "DELETE") else {})
     except httpx.HTTPError as exc:
         raise SystemExit(f"cannot reach the gateway at {url}: {exc}") from None
     try:
@@ -137,6 +139,8 @@ def _set_weights(args: argparse.Namespace) -> int:
             weights[version] = float(weight)
         except ValueError:
             sep = ""
+        if sep and not math.isfinite(weights[version]):
+            raise SystemExit(f"{item!r}: a weight is a finite number, e.g. v1=90")
         if not sep or not version:
             raise SystemExit(f"{item!r}: give VERSION=WEIGHT, e.g. v1=90")
     _print_status(_call(args.url, "PUT", f"/admin/models/{args.model}/weights", {"weights": weights}))

@@ -44,7 +44,8 @@ _OWNED_ENGINE_ARGS = {
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, values are checked on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan: NaN passes every bound (NaN > 0 and NaN < 0 are both false); no setting wants it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class EngineConfig(StrictModel):
@@ -628,6 +629,18 @@ class GatewayConfig(StrictModel):
     ready_timeout_s: float = Field(
         default=5.0, gt=0, description="How long GET /ready waits for each model's replica to answer."
     )
+    body_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Longest a client may take to send its request body; then 408 `body_timeout`. A body "
+        "that trickles in holds a gateway slot, so slow uploads are bounded before any other work.",
+    )
+    max_body_reads: int = Field(
+        default=64, ge=1,
+        description="Slow request bodies (still arriving after half a second) one gateway replica reads at "
+        "once; past it such a request gets 503 `too_many_uploads` at once. Bodies that arrive whole take "
+        "microseconds; slow uploads cannot hold more than this many of the replica's "
+        "`max_ongoing_requests` slots.",
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="What one request may ask for.")
 
 
@@ -840,6 +853,13 @@ class AuthConfig(StrictModel):
         "but no admin key, /admin is closed to everyone.",
     )
 
+    anonymous: bool = Field(
+        default=False,
+        description="Serve with no keys on a non-loopback address on purpose (behind an authenticating "
+        "proxy). Without keys and without this, the gateway refuses to start on an address other than "
+        "127.0.0.1/::1/localhost: anyone who reaches it could use /v1 and /admin.",
+    )
+
     @property
     def enabled(self) -> bool:
         return bool(self.keys or self.admin_keys)
@@ -894,12 +914,31 @@ class ShunterConfig(StrictModel):
                 seen[name] = model.name
         if self.tiers is not None:
             self._check_tiers(self.tiers, seen)
+        self._check_timeouts()
         for key in self.auth.keys:
             unknown = [m for m in key.models if self.find_model(m) is None]
             if unknown:
                 raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models or aliases; "
                                  f"served: {[m.name for m in self.models]}")
         return self
+
+    def _check_timeouts(self) -> None:
+        """Timeouts that cannot all hold: each waiting phase must end before the whole request's deadline,
+        or the client gets the deadline's 504 instead of the phase's own answer."""
+        gateway, limits = self.gateway, self.gateway.limits
+        deadline = limits.request_timeout_s
+        problems = []
+        phases = [("gateway.queue_timeout_s", gateway.queue_timeout_s),
+                  ("gateway.body_timeout_s", gateway.body_timeout_s),
+                  ("gateway.limits.stream_idle_timeout_s", limits.stream_idle_timeout_s)]
+        phases += [(f"models[{m.name}].autoscaling.cold_start_timeout_s", m.autoscaling.cold_start_timeout_s)
+                   for m in self.models if m.autoscaling is not None and m.autoscaling.min_replicas == 0]
+        for name, value in phases:
+            if value >= deadline:
+                problems.append(f"{name} ({value:g}s) must be shorter than gateway.limits.request_timeout_s "
+                                f"({deadline:g}s)")
+        if problems:
+            raise ValueError("timeouts do not fit together: " + "; ".join(problems))
 
     def _check_tiers(self, tiers: TiersConfig, names: dict[str, str]) -> None:
         if tiers.model_name in names:

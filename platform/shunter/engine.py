@@ -15,6 +15,7 @@ tests import Shunter without starting an engine).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -108,6 +109,7 @@ class EngineCounters:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, last reported
     running: int = 0  # requests the scheduler runs, last reported
     waiting: int = 0  # requests queued in the scheduler, last reported
+    steps: int = 0  # scheduler updates seen: the engine is making progress while this grows
 
 
 def _counting_stat_logger(counters: EngineCounters) -> Any:
@@ -120,6 +122,7 @@ def _counting_stat_logger(counters: EngineCounters) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
+            counters.steps += 1
             if scheduler_stats is None:
                 return
             counters.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
@@ -269,23 +272,46 @@ class VLLMEngine:
     async def check_health(self) -> None:
         await self._engine.check_health()
 
+    def progress(self) -> int:
+        """Grows while the engine works (its scheduler's updates): a replica's heartbeat reports real
+        progress, never just a live process whose engine hangs."""
+        return self.counters.steps
+
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""
         return int(self._engine.get_num_unfinished_requests())
 
-    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
-        """Prompt tokens of a request by the model's tokenizer (chat: with its chat template); for a
-        batch of prompts, the longest. None when the body is not a shape this can count: vLLM's own
-        validation answers those."""
+    async def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
+        """Prompt tokens of a request (for a batch of prompts, the longest), rendered exactly as the engine
+        will render it: vLLM's own renderer, so a chat counts its template, content parts, tool
+        definitions and documents. None when the body cannot be rendered: vLLM's own call answers why."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        if endpoint == "embedding":
+            return await asyncio.to_thread(self._count_input_tokens, body)
+        handler = self._state.openai_serving_chat if endpoint == "chat" else self._state.openai_serving_completion
+        if handler is None:
+            return None
+        try:
+            if endpoint == "chat":
+                rendered = await handler.render_chat_request(_adapter(ChatCompletionRequest).validate_python(body))
+                inputs = rendered if not isinstance(rendered, tuple) else rendered[1]
+            else:
+                inputs = await handler.render_completion_request(_adapter(CompletionRequest).validate_python(body))
+            if not isinstance(inputs, list):  # an ErrorResponse
+                return None
+            return max((int(handler._extract_prompt_len(i)) for i in inputs), default=0)
+        except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
+            return None
+
+    def _count_input_tokens(self, body: dict[str, Any]) -> int | None:
+        """Embedding inputs by the model's tokenizer; for a batch, the longest."""
         tokenizer = self._engine.tokenizer
         if tokenizer is None:
             return None
         try:
-            if endpoint == "chat":
-                ids = tokenizer.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-                return len(ids)
-            prompts = body.get("prompt" if endpoint == "completion" else "input")
+            prompts = body.get("input")
             if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
                 prompts = [prompts]
             if not isinstance(prompts, list):

@@ -74,3 +74,10 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, param=self.param, code=self.code)
+
+    @classmethod
+    def from_body(cls, status: int, body: dict[str, Any]) -> ApiError:
+        """The refusal an `error_body` describes."""
+        error = body["error"]
+        code = error.get("code")
+        return cls(status, error["message"], param=error.get("param"), code=None if code == status else code)

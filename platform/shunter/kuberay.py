@@ -16,6 +16,7 @@ import json
 import math
 from typing import Any
 
+from shunter.auth import open_public_bind
 from shunter.config import ShunterConfig
 from shunter.placement import NodeSpec, ReplicaDemand, declared_nodes, plan_cluster, replica_demands
 
@@ -37,6 +38,10 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
     serve = copy.deepcopy(serve_config)
     serve["proxy_location"] = "EveryNode"
     serve["http_options"] = {**serve.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
+    for app_name, cfg in apps:  # the gateway would refuse to start; say so before anything is applied
+        refusal = open_public_bind("0.0.0.0", cfg.auth)
+        if refusal is not None:
+            raise ValueError(f"application {app_name!r}: {refusal} (KubeRay's serve service listens on 0.0.0.0)")
     groups = _worker_groups([cfg for _, cfg in apps], image)
     head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
     if any(cfg.auth.env_vars for _, cfg in apps):

@@ -69,6 +69,13 @@ class Accepted:
     replica_id: str
 
 
+@dataclass(frozen=True)
+class Working:
+    """Sent by a replica every few seconds while it computes a whole (not streamed) reply, before the
+    reply head: it is alive, so the gateway's `replica_timeout_s` of silence never mistakes a long reply
+    for a hung replica."""
+
+
 def find_hint(args: Any, kwargs: Any) -> RouteHint | None:
     """The RouteHint among a pending request's arguments, if the caller sent one."""
     for value in list(args or ()) + list((kwargs or {}).values()):

@@ -9,12 +9,14 @@ engines would not both find free cores on a 2-core machine.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 
 from .live import APP_NAME, LiveApp, free_port, local_app_args, wait_ready
 
 _shared: dict[str, LiveApp] = {}
+_keyed = ExitStack()  # the keyed app (tests/e2e/keyed_app.py) while it runs
 
 
 def _stop_shared_app() -> None:
@@ -53,3 +55,19 @@ def exclusive_machine() -> None:
     """For tests that start their own cluster: the shared app must not hold the cores."""
     _stop_shared_app()
 
+
+
+@pytest.fixture(scope="session")
+def keyed_app(exclusive_machine, tmp_path_factory) -> Iterator[str]:
+    """The app with keys, quotas and limits (tests/e2e/keyed_app.py), shared by the modules that use it.
+    They sort next to each other (own_cluster, by file name); the hook below stops it after the last."""
+    from .keyed_app import keyed_app as start
+
+    yield _keyed.enter_context(start(tmp_path_factory.mktemp("secrets")))
+    _keyed.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "keyed_app" in getattr(item, "fixturenames", ()) and (
+            nextitem is None or "keyed_app" not in getattr(nextitem, "fixturenames", ())):
+        _keyed.close()  # the next test may start a cluster of its own

@@ -1,9 +1,8 @@
 """API keys, quotas and limits on a live app with real engines (SmolLM2 and MiniLM), then fuzzing it.
 
-Keys reach the gateway as a real deployment gives them: environment variables of its process and a key
-file (not a Serve runtime_env: Ray's runtime-env agent writes its env_vars to its log, which the log
-test here catches). The app's limits are tight (8 generated tokens, n <= 2) so fuzzed requests that pass every check
-finish fast on 2 CPU cores.
+The app (tests/e2e/keyed_app.py, shared with the hostile-client module) gets its keys as a real deployment
+gives them: environment variables of its process and a key file (not a Serve runtime_env: Ray's
+runtime-env agent writes its env_vars to its log, which the log test here catches).
 
 Fuzzing: schemathesis generates requests from the gateway's own OpenAPI schema (every operation, bodies
 valid and invalid, streaming among them), and hypothesis generates arbitrary JSON and bytes as bodies.
@@ -14,9 +13,7 @@ request afterwards. Case counts are printed at the end (`-s`).
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,56 +23,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shunter.auth import key_id, new_key
-from tests.integration.local_app import local_app
+from shunter.auth import key_id
 
-from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL, wait_ready
+from .keyed_app import ADMIN, CHAT_ONLY, FULL, MAX_N, MAX_PROMPT_TOKENS, MAX_TOKENS, TIMEOUT_S
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
 pytestmark = pytest.mark.own_cluster
 
-APP = "keys-e2e"
-FULL, CHAT_ONLY, ADMIN = new_key(), new_key(), new_key()
-ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY}
 PROMPT_MARKER = "zebra-quartz-prompt-marker"
-TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 CASES: Counter[str] = Counter()  # cases sent, by source and operation
 ANSWERS: Counter[str] = Counter()  # answers, by status class (and streams among the 200s)
 
 
-def _args(admin_key_file: Path) -> dict[str, Any]:
-    engine = {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1}
-    return {
-        "models": [
-            {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
-             "engine": engine},
-            {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
-             "engine": {**engine, "max_model_len": 256}},
-        ],
-        "gateway": {"limits": {"max_tokens": 8, "max_n": 2, "max_messages": 32, "max_prompt_tokens": 200,
-                               "request_timeout_s": 60}},
-        "auth": {
-            "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
-                     {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
-                      "tokens_per_minute": 120}],
-            "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
-        },
-    }
-
-
 @pytest.fixture(scope="module")
-def app(exclusive_machine, tmp_path_factory) -> Iterator[str]:
-    key_file = tmp_path_factory.mktemp("secrets") / "admin-key"
-    key_file.write_text(ADMIN + "\n")
-    # The keys are in the environment of the processes Ray starts (as `ray start` in a shell, or a pod's
-    # env from a Secret, gives them), not in a runtime_env: Ray's runtime-env agent logs its env_vars.
-    os.environ.update(ENV)
-    try:
-        with local_app(_args(key_file), APP) as base:
-            wait_ready(base)
-            yield base
-    finally:
-        for name in ENV:
-            os.environ.pop(name, None)
+def app(keyed_app) -> str:
+    return keyed_app
 
 
 def client(base: str, key: str) -> openai.OpenAI:
@@ -268,9 +230,17 @@ def _fuzz(operation: Any, failures: list[str]) -> Any:
         except Exception as exc:  # noqa: BLE001 - a timeout or a dropped connection is a finding
             failures.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
             return
-        _count_answer("schemathesis", response.status_code, response.headers.get("content-type", ""))
+        content_type = response.headers.get("content-type", "")
+        _count_answer("schemathesis", response.status_code, content_type)
         if response.status_code >= 500:
             failures.append(f"{name} {case.body!r:.200} -> {response.status_code} {response.text[:200]}")
+        elif response.status_code == 200 and operation.path in ("/v1/chat/completions", "/v1/completions"):
+            if isinstance(content_type, list):  # schemathesis lists each header's values
+                content_type = content_type[0] if content_type else ""
+            answer = httpx.Response(200, headers={"content-type": content_type}, content=response.content)
+            problem = limits_broken(case.body, answer)
+            if problem is not None:
+                failures.append(f"{name} {case.body!r:.200} -> 200 beyond the limits: {problem}")
 
     return run
 
@@ -298,8 +268,10 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
                     max_leaves=12)
 TEXT = st.text(max_size=40)
+# Numbers also come as strings and floats, and past the limits: a 200 must still keep every limit.
+COUNT = st.integers(1, 12) | st.integers(1, 12).map(str) | st.integers(1, 12).map(float)
 SAMPLING = {"stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-            "max_tokens": st.integers(1, 8), "n": st.integers(1, 2), "temperature": st.floats(0, 2),
+            "max_tokens": COUNT, "n": COUNT, "temperature": st.floats(0, 2),
             "top_p": st.floats(0.1, 1), "stop": TEXT | st.lists(TEXT, max_size=2), "seed": st.integers(0, 2**31),
             "user": TEXT}
 VALID = {
@@ -316,6 +288,47 @@ VALID = {
         {"model": st.just(EMBED_MODEL), "input": TEXT | st.lists(TEXT, min_size=1, max_size=3)},
         optional={"encoding_format": st.sampled_from(["float", "base64"]), "user": TEXT}),
 }
+
+
+def _prompts(body: Any) -> int:
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+
+
+def limits_broken(body: Any, resp: httpx.Response) -> str | None:
+    """What a 200 answer gives beyond the app's limits (None: nothing): more choices than max_n per
+    prompt, more completion tokens than max_tokens per choice, a prompt over max_prompt_tokens, or an
+    error event inside the stream."""
+    prompts = _prompts(body)
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        tokens: Counter[int] = Counter()
+        for line in resp.text.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return f"an error event inside a 200 stream: {event['error']}"
+            for choice in event.get("choices") or ():
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    tokens[choice["index"]] += 1  # a chunk carries at least one token
+            usage = event.get("usage")
+            if usage and not event.get("choices") and usage["prompt_tokens"] > MAX_PROMPT_TOKENS * prompts:
+                return f"prompt of {usage['prompt_tokens']} tokens"
+        if len(tokens) > MAX_N * prompts or any(i >= MAX_N * prompts for i in tokens):
+            return f"{len(tokens)} choices streamed"
+        if any(n > MAX_TOKENS for n in tokens.values()):
+            return f"a choice streamed {max(tokens.values())} token chunks"
+        return None
+    reply = resp.json()
+    choices = reply.get("choices") or []
+    usage = reply.get("usage") or {}
+    if len(choices) > MAX_N * prompts:
+        return f"{len(choices)} choices"
+    if usage.get("completion_tokens", 0) > MAX_TOKENS * max(1, len(choices)):
+        return f"{usage['completion_tokens']} completion tokens for {len(choices)} choices"
+    if usage.get("prompt_tokens", 0) > MAX_PROMPT_TOKENS * prompts:
+        return f"prompt of {usage['prompt_tokens']} tokens"
+    return None
 
 
 def _near(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
@@ -344,6 +357,9 @@ def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
         assert resp.status_code < 500, (body, raw, resp.status_code, resp.text[:300])
         if resp.status_code >= 400:
             assert set(resp.json()["error"]) >= {"message", "type", "code"}, resp.text
+        elif path != "/v1/embeddings":
+            problem = limits_broken(body, resp)
+            assert problem is None, (problem, body, resp.text[:300])
 
     run()
     print(f"\n{path}: statuses {dict(seen)}")

@@ -2,9 +2,10 @@
 
 Simple and complex prompts land on the expected tiers through `model: auto`, with the official client,
 streaming included; the decision is in the response headers. The monitor re-asks every small-tier
-request of the large tier here (sample_ratio 1): greedy answers of the same weights agree and nothing
-moves, while a class whose answers are forced to disagree (sampled at temperature 2, against the
-large tier's greedy reference) is promoted, and only that class.
+request of both tiers here (sample_ratio 1): greedy answers of the same weights agree and nothing
+moves, and a client sampling wildly (temperature 2, one token) cannot make them disagree, because the
+monitor asks the question itself, greedily. (A real promotion needs two tiers that answer differently:
+both tiers here are SmolLM2; the promotion itself is unit-tested in tests/unit/test_tiers.py.)
 """
 
 from __future__ import annotations
@@ -110,16 +111,16 @@ def test_agreeing_answers_move_nothing(app):
     assert status["promotions"] == {}
 
 
-def test_a_forced_disagreement_promotes_that_class_only(app):
+def test_a_client_sampling_wildly_cannot_promote_a_class(app):
     tier, _, _ = ask(app, MATH)
     assert tier == "small"
-    for seed in range(4):  # sampled wildly, against the large tier's greedy reference
-        ask(app, MATH, temperature=2.0, seed=seed, max_tokens=24)
-    status = wait_for(app, lambda s: "math" in s["promotions"])
-    assert status["promotions"] == {"math": "large"}, status
+    for seed in range(4):  # the old monitor compared these answers with a greedy reference, and promoted
+        ask(app, MATH, temperature=2.0, seed=seed, max_tokens=1)
+    status = wait_for(app, lambda s: s["monitor"]["windows"].get("math@0", {}).get("samples", 0) >= 5)
+    window = status["monitor"]["windows"]["math@0"]
+    assert window["mean_agreement"] >= 0.9 and status["promotions"] == {}, status
     tier, reason, _ = ask(app, MATH)
-    assert tier == "large" and "reason=promoted" in reason
-    assert ask(app, SIMPLE)[0] == "small"  # the other classes keep their tier
+    assert tier == "small" and "reason=promoted" not in reason
 
 
 def test_tier_metrics_count_requests_cost_and_promotions(app):
@@ -130,7 +131,6 @@ def test_tier_metrics_count_requests_cost_and_promotions(app):
     text = scrape_until(url, [
         ("ray_shunter_tier_requests_total", {"tier": "small"}),
         ("ray_shunter_tier_tokens_total", {"tier": "large", "kind": "completion"}),
-        ("ray_shunter_tier_promotions_total", {"class": "math"}),
         ("ray_shunter_tier_agreement_count", {"class": "simple"}),
     ])
     assert 'endpoint="tier_monitor"' in text  # the monitor's own requests are told apart

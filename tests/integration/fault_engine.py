@@ -6,7 +6,9 @@ EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the m
 
 - `fake:flaky`: echoes the last message word by word (as an SSE chat stream when asked to stream). A
   message containing "DIE" makes the replica process exit after three chunks (a crash mid-stream); one
-  containing "BAD" gets a 400 (a client error, which must never count against the replica).
+  containing "BAD" gets a 400 (a client error, which must never count against the replica); one containing
+  "INBAND" streams three words, then ends as vLLM ends a stream whose engine core died: an error event
+  with code 500 inside the 200 stream, then `[DONE]`.
   A word `pace=<seconds>` in the message sets the delay between words (default 0.05 s), for long
   streams; with it, a non-streamed reply takes as long as its stream would (else it is instant).
 - `fake:never-starts`: raises during start-up, every time.
@@ -42,6 +44,7 @@ class FaultInjectingEngine:
         self.spec = spec
         self.replica = replica
         self.unfinished = 0
+        self.steps = 0  # progress(): grows while this engine works; a hung one stays put
         control = os.environ.get("SHUNTER_FAULT_DIR")
         self.control = Path(control) if control else None
 
@@ -93,7 +96,9 @@ class FaultInjectingEngine:
             await asyncio.sleep(SLOW_S)
         if not body.get("stream"):
             if (pace := _pace(text)) is not None:
-                await asyncio.sleep(pace * len(text.split()))
+                for _ in text.split():  # one "step" per word, as an engine steps per token
+                    await asyncio.sleep(pace)
+                    self.steps += 1
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "finish_reason": "stop"}]})
@@ -105,6 +110,10 @@ class FaultInjectingEngine:
             for i, word in enumerate(text.split()):
                 if i == 3 and "DIE" in text:
                     os._exit(1)  # the replica process dies mid-stream
+                if i == 3 and "INBAND" in text:
+                    error = error_body("fault injection: EngineCore encountered an issue", 500)
+                    yield f"data: {json.dumps(error)}\n\n"
+                    break
                 chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
                          "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -125,13 +134,16 @@ class FaultInjectingEngine:
     async def check_health(self) -> None:
         return None
 
+    def progress(self) -> int:
+        return self.steps
+
     def num_unfinished_requests(self) -> int:
         return self.unfinished
 
     def max_model_len(self) -> int:
         return 2048
 
-    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
+    async def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
         return None  # no tokenizer: prompt-token limits are the real engine's (tests/e2e)
 
     def kv_cache_blocks(self) -> int:

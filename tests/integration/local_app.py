@@ -19,7 +19,7 @@ FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 
 @contextmanager
 def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
-              metrics_port: int | None = None, blocking: bool = True) -> Iterator[str]:
+              metrics_port: int | None = None, blocking: bool = True, host: str = "127.0.0.1") -> Iterator[str]:
     """Serve the Shunter config `args` as app `name` on a free port; yields its base URL.
 
     `blocking=False` returns before the app is RUNNING (for apps with a model that never starts)."""
@@ -35,7 +35,7 @@ def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}}, **extra)
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": host, "port": port})
         app = assemble(parse_config(args), engine_factory=FACTORY)
         if blocking:
             serve.run(app, name=name, route_prefix="/")

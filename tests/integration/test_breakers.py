@@ -163,6 +163,37 @@ def test_stream_from_a_hanging_replica_fails_over_before_the_first_byte(duo):
     duo.wait_serving(bad)
 
 
+def test_a_whole_reply_slower_than_the_replica_timeout_is_served_once_and_counts_as_no_failure(duo):
+    """A non-streamed reply that takes longer than routing.replica_timeout_s (2 s here): the replica says
+    it is still working, so the gateway neither retries it elsewhere nor holds it against the replica."""
+    words = "pace=0.4 " + " ".join(f"w{i}" for i in range(9))  # ten words at 0.4 s: about 4 s
+    before = {r: duo.calls(r) for r in duo.replicas}
+    resp = duo.chat(words, timeout=60)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == words, resp.text
+    assert sum(duo.calls(r) - before[r] for r in duo.replicas) == 1, "served once, never retried"
+    listed = httpx.get(f"{duo.base}/admin/models/duo/replicas", timeout=30).json()["replicas"]
+    assert all(r["breaker"] == "closed" for r in listed), listed
+
+
+def test_an_engine_error_inside_a_200_stream_counts_as_the_replicas_failure(duo):
+    """vLLM reports an engine-core death mid-stream as an error event and then [DONE]: the client sees
+    the error event, and the breaker counts a failure (two in a row open it)."""
+    for i in range(2 * FAILURES_TO_OPEN):
+        with httpx.stream("POST", f"{duo.base}/v1/chat/completions", timeout=30, json={
+                "model": "duo", "stream": True,
+                "messages": [{"role": "user", "content": f"one two three INBAND four {i}"}]}) as resp:
+            if resp.status_code == 503:  # both breakers already open
+                break
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]", events
+    listed = httpx.get(f"{duo.base}/admin/models/duo/replicas", timeout=30).json()["replicas"]
+    assert any(r["breaker"] != "closed" for r in listed), listed
+    time.sleep(COOLDOWN_S)
+    for replica in duo.replicas:
+        duo.wait_serving(replica)
+
+
 def test_routing_and_breaker_metrics_are_exported_through_ray(duo):
     """After the faults above: breakers opened and closed, retries and breaker skips were counted.
     Ray exports application metrics with its own `ray_` prefix."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.access import AccessControl
+from deployments.parsed_request import parse
 from shunter.auth import KeyRing, KeySourceError, bearer_token, digest, key_id, new_key, read_key
 from shunter.config import ConfigError, KeySourceConfig, parse_config
 from shunter.errors import ApiError
@@ -169,24 +170,35 @@ def test_with_client_keys_but_no_admin_key_admin_is_closed_to_everyone():
 
 # ---- per-request limits --------------------------------------------------------------------------------
 
+USER = {"role": "user", "content": "x"}
+
+
 @pytest.mark.parametrize("endpoint, body, param, code", [
-    ("chat", {"messages": [{"role": "user", "content": "x"}] * 4}, "messages", "too_many_messages"),
-    ("chat", {"messages": [], "n": 3}, "n", "n_too_large"),
-    ("completion", {"prompt": "x", "best_of": 3}, "best_of", "n_too_large"),
-    ("chat", {"messages": [], "max_tokens": 33}, "max_tokens", "max_tokens_too_large"),
-    ("chat", {"messages": [], "max_completion_tokens": 33}, "max_completion_tokens", "max_tokens_too_large"),
+    ("chat", {"messages": [USER] * 4}, "messages", "too_many_messages"),
+    ("chat", {"messages": [USER], "n": 3}, "n", "n_too_large"),
+    ("chat", {"messages": [USER], "n": "8"}, "n", "n_too_large"),  # vLLM would make 8 of the string
+    ("chat", {"messages": [USER], "n": 8.0}, "n", "n_too_large"),
+    ("completion", {"prompt": "x", "n": "3"}, "n", "n_too_large"),
+    ("chat", {"messages": [USER], "max_tokens": 33}, "max_tokens", "max_tokens_too_large"),
+    ("chat", {"messages": [USER], "max_tokens": "500"}, "max_tokens", "max_tokens_too_large"),
+    ("completion", {"prompt": "x", "max_tokens": 33.0}, "max_tokens", "max_tokens_too_large"),
+    ("chat", {"messages": [USER], "max_completion_tokens": 33}, "max_completion_tokens", "max_tokens_too_large"),
 ])
 def test_requests_past_a_limit_get_400_naming_the_field(endpoint, body, param, code):
     door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32}), environ={})
-    error = refusal(door.check_limits, endpoint, body)
+    error = refusal(door.check_limits, parse(endpoint, body))
     assert (error.status, error.param, error.code) == (400, param, code)
 
 
-def test_requests_within_limits_and_wrong_types_pass_to_the_engine_checks():
+def test_requests_within_limits_pass_and_malformed_ones_are_400s_naming_the_field():
     door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32}), environ={})
-    door.check_limits("chat", {"messages": [{}] * 3, "n": 2, "max_tokens": 32})
-    door.check_limits("chat", {"messages": "not a list", "n": "3", "max_tokens": True})
-    door.check_limits("embedding", {"input": "x", "max_tokens": 10_000})
+    door.check_limits(parse("chat", {"messages": [USER] * 3, "n": "2", "max_tokens": 32.0}))
+    door.check_limits(parse("embedding", {"input": "x"}))
+    for endpoint, body, param in [("chat", {"messages": "not a list"}, "messages"),
+                                  ("chat", {"messages": [USER], "n": 2.5}, "n"),
+                                  ("completion", {"prompt": "x", "max_tokens": "lots"}, "max_tokens")]:
+        error = refusal(parse, endpoint, body)
+        assert error.status == 400 and error.param and error.param.startswith(param), (body, error.param)
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------

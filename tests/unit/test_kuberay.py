@@ -15,7 +15,10 @@ from shunter.config import parse_config
 from shunter.kuberay import render_rayservice
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+# Configs meant for a cluster: they configure keys (local ones serve on 127.0.0.1 without keys, and
+# rendering them for KubeRay, which listens on 0.0.0.0, is refused: see the test below).
+CONFIGS = sorted((ROOT / "configs").glob("gpu-*.yaml"))
+LOCAL_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("gpu-"))
 
 
 def _render(path: Path, image: str = "registry.example/shunter:1") -> dict:
@@ -36,6 +39,17 @@ def test_serve_config_v2_is_a_valid_serve_config_with_the_same_shunter_config(pa
     for rendered, source in zip(serve["applications"], original["applications"], strict=True):
         assert rendered["args"] == source["args"]
         assert parse_config(rendered["args"]) == parse_config(source["args"])
+
+
+@pytest.mark.parametrize("path", LOCAL_CONFIGS, ids=[p.name for p in LOCAL_CONFIGS])
+def test_a_keyless_config_is_not_rendered_for_a_public_endpoint_unless_it_says_anonymous(path):
+    with pytest.raises(ValueError, match="no API keys on 0.0.0.0.*auth.anonymous: true"):
+        _render(path)
+    raw = yaml.safe_load(path.read_text())
+    for app in raw["applications"]:
+        app["args"]["auth"] = {"anonymous": True}
+    apps = [(app["name"], parse_config(app["args"])) for app in raw["applications"]]
+    assert render_rayservice(raw, apps, "img")["kind"] == "RayService"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -76,7 +90,8 @@ def test_without_a_cluster_section_pods_are_sized_by_the_largest_stage():
     raw = {"applications": [{"name": "s", "import_path": "deployments.app:build_app", "route_prefix": "/", "args": {
         "models": [{"name": "big", "source": "org/big", "accelerator_type": "A100", "replicas": 2,
                     "engine": {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}},
-                   {"name": "small", "source": "org/small", "accelerator_type": "A100", "replicas": 3}]}}]}
+                   {"name": "small", "source": "org/small", "accelerator_type": "A100", "replicas": 3}],
+        "auth": {"anonymous": True}}}]}
     manifest = render_rayservice(raw, [("s", parse_config(raw["applications"][0]["args"]))], "img")
     group = _groups(manifest)["gpu-a100-x4"]
     # 2 replicas x 2 stages of 4 GPUs = 4 pods; the 3 single-GPU replicas fill one more.
@@ -105,5 +120,7 @@ def test_a_config_with_key_env_keys_has_every_container_read_the_api_keys_secret
     for container in containers:  # not optional: no Secret, no open gateway
         assert container["envFrom"] == [{"secretRef": {"name": API_KEYS_SECRET}}]
     assert "sk-" not in manifest["spec"]["serveConfigV2"]
-    plain = _render(ROOT / "configs" / "local.yaml")
+    raw = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    raw["applications"][0]["args"]["auth"] = {"anonymous": True}  # no keys: behind an authenticating proxy
+    plain = render_rayservice(raw, [("shunter", parse_config(raw["applications"][0]["args"]))], "img")
     assert "envFrom" not in str(plain)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from deployments.access import AccessControl
-from ops.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens, requested_completion_tokens
+from deployments.parsed_request import parse
+from ops.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens
 from shunter.config import parse_config
 from shunter.errors import ApiError
 
@@ -99,20 +100,22 @@ def test_reset_durations_read_like_openais(seconds, text):
 
 
 @pytest.mark.parametrize("body, tokens", [
-    ({"messages": [{"role": "user", "content": "x" * 40}]}, 14),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 8}]}]}, 6),
+    # 40 characters of content, "user", and 4 tokens of per-message overhead
+    ({"messages": [{"role": "user", "content": "x" * 40}]}, 15),
+    # content parts count like a string: the text, the part's type, the role, the overhead
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 40}]}]}, 16),
     ({"prompt": "abcd" * 5}, 5), ({"prompt": ["abcd", "abcdabcd"]}, 3), ({"prompt": [1, 2, 3]}, 3),
-    ({"input": ["a" * 9]}, 3), ({"messages": "junk", "prompt": {"x": 1}}, 0),
+    ({"prompt": [[1, 2, 3], [4, 5]]}, 5), ({"input": ["a" * 9]}, 3), ({"messages": "junk", "prompt": {"x": 1}}, 0),
 ])
 def test_prompt_estimates(body, tokens):
     assert estimate_prompt_tokens(body) == tokens
 
 
-@pytest.mark.parametrize("body, tokens", [({"max_tokens": 10}, 10), ({"max_tokens": 10, "n": 3}, 30),
-                                          ({"max_completion_tokens": 7}, 7), ({}, 0), ({"max_tokens": "9"}, 0),
-                                          ({"max_tokens": True}, 0), ({"max_tokens": 5, "n": -1}, 5)])
-def test_completion_reservations(body, tokens):
-    assert requested_completion_tokens(body) == tokens
+def test_tool_definitions_and_documents_count_toward_the_prompt():
+    bare = {"messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "lookup", "description": "x" * 400, "parameters": {}}}
+    assert estimate_prompt_tokens({**bare, "tools": [tool]}) >= estimate_prompt_tokens(bare) + 100
+    assert estimate_prompt_tokens({**bare, "documents": [{"text": "y" * 400}]}) >= estimate_prompt_tokens(bare) + 100
 
 
 # ---- through the door: one key's budget is its own ----------------------------------------------------
@@ -130,27 +133,27 @@ def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served():
     clock = Clock()
     access = door(clock)
     a, b = access.client({"authorization": f"Bearer {KEYS['A']}"}), access.client({"authorization": f"Bearer {KEYS['B']}"})
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40}
-    first = access.admit(a, "chat", "chat", body)  # reserves 6 (prompt estimate) + 40 of 100
-    assert first.reserved == 46
+    body = parse("chat", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40})
+    first = access.admit(a, "chat", body)  # reserves 7 (prompt estimate) + 40 of 100
+    assert first.reserved == 47
     first.settle(200, 30, 40)  # used 70: 30 left, less than the next reservation
     with pytest.raises(ApiError) as caught:
-        access.admit(a, "chat", "chat", body)
+        access.admit(a, "chat", body)
     error = caught.value
     assert (error.status, error.code) == (429, "rate_limit_exceeded")
-    assert error.headers["Retry-After"] == "10" and error.headers["x-ratelimit-remaining-tokens"] == "30"
+    assert error.headers["Retry-After"] == "11" and error.headers["x-ratelimit-remaining-tokens"] == "30"
     assert error.body()["error"]["type"] == "rate_limit_error"
     for _ in range(20):
-        access.admit(b, "chat", "chat", body).settle(200, 30, 40)  # b has no quota
+        access.admit(b, "chat", body).settle(200, 30, 40)  # b has no quota
     clock.now += 60
-    assert access.admit(a, "chat", "chat", body).reserved == 46
+    assert access.admit(a, "chat", body).reserved == 47
 
 
 def test_a_request_no_budget_can_hold_is_refused_with_its_reason():
     access = door(Clock())
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
     with pytest.raises(ApiError) as caught:
-        access.admit(a, "chat", "chat", {"messages": [], "max_tokens": 500})
+        access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 500}))
     assert caught.value.code == "request_exceeds_quota" and "Retry-After" not in caught.value.headers
 
 
@@ -158,7 +161,45 @@ def test_a_failed_request_gives_its_reservation_back():
     clock = Clock()
     access = door(clock)
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
-    ticket = access.admit(a, "chat", "chat", {"messages": [], "max_tokens": 90})
+    ticket = access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 90}))
     ticket.settle(503, 0, 0)
     ticket.settle(503, 0, 0)  # settling twice changes nothing
     assert access._quota(a).tokens.remaining() == 100
+
+
+# ---- reservations cover what the request may really generate -------------------------------------------
+
+@pytest.mark.parametrize("endpoint, body, reserved", [
+    ("chat", {"messages": [], "max_tokens": "10", "n": "3"}, 30),  # strings count as the numbers they become
+    ("chat", {"messages": [], "max_tokens": 10.0, "n": 2.0}, 20),
+    ("chat", {"messages": [], "max_completion_tokens": 7}, 7),
+    ("completion", {"prompt": ["a", "b", "c"], "max_tokens": 5, "n": 2}, 3 + 30),  # every prompt of a batch
+    ("completion", {"prompt": "abcd"}, 1 + 16),  # vLLM's default of 16
+])
+def test_a_reservation_covers_every_choice_and_prompt_at_the_parsed_values(endpoint, body, reserved):
+    access = door(Clock())
+    a = access.client({"authorization": f"Bearer {KEYS['A']}"})
+    assert access.admit(a, "chat", parse(endpoint, body)).reserved == reserved
+
+
+def test_a_chat_without_max_tokens_reserves_the_default_the_replica_applies_within_the_budget():
+    access = door(Clock())  # 100 tokens a minute; the platform's default max_tokens is 4096
+    a = access.client({"authorization": f"Bearer {KEYS['A']}"})
+    ticket = access.admit(a, "chat", parse("chat", {"messages": [{"role": "user", "content": "hello"}]}), 2048)
+    assert ticket.default_max_tokens == 100 - 7  # what the budget holds beside the prompt
+    assert ticket.reserved == 100  # the whole budget: a second such request waits
+    b = access.client({"authorization": f"Bearer {KEYS['B']}"})  # no quota: the limit and the context
+    assert access.admit(b, "chat", parse("chat", {"messages": []}), 2048).default_max_tokens == 2048
+
+
+def test_a_stream_cut_short_is_charged_what_it_produced_and_its_prompt():
+    clock = Clock()
+    access = door(clock)
+    a = access.client({"authorization": f"Bearer {KEYS['A']}"})
+    ticket = access.admit(a, "chat", parse("chat", {"messages": [{"role": "user", "content": "hello"}],
+                                                    "max_tokens": 90}))
+    ticket.settle(499, 0, 0)  # the client hung up before any usage arrived: its prompt estimate is kept
+    assert access._quota(a).tokens.remaining() == 100 - 7
+    ticket = access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 50}))
+    ticket.settle("stream_error", 3, 40)
+    assert access._quota(a).tokens.remaining() == 100 - 7 - 43

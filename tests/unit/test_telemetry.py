@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deployments.replica_telemetry import traced
-from deployments.telemetry import RequestTelemetry, ask_for_usage, wants_usage_chunk
+from deployments.telemetry import RequestTelemetry, ask_for_usage
 from shunter import tracing
 
 EXPORTER = InMemorySpanExporter()
@@ -40,14 +40,44 @@ def _chunk(content: str) -> str:
 USAGE = "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}) + "\n\n"
 
 
-def test_a_stream_always_asks_the_engine_for_usage_and_keeps_the_clients_options():
+def test_a_stream_always_asks_the_engine_for_running_usage_without_changing_the_clients_body():
     body = {"stream": True, "stream_options": {"continuous_usage_stats": False}}
     sent = ask_for_usage(body)
-    assert sent["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     assert body["stream_options"] == {"continuous_usage_stats": False}, "the client's body is not changed"
     assert ask_for_usage({"stream": False}) == {"stream": False}
-    assert wants_usage_chunk({"stream_options": {"include_usage": True}})
-    assert not wants_usage_chunk({"stream": True})
+
+
+def _running(content: str, index: int, completion: int, prompt: int = 7) -> str:
+    return "data: " + json.dumps({"choices": [{"index": index, "delta": {"content": content}}],
+                                  "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                            "total_tokens": prompt + completion}}) + "\n\n"
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_running_usage_counts_the_tokens_so_far_and_reaches_only_a_client_that_asked(client_asked):
+    tel = RequestTelemetry("m", "chat", {}, "req-1", client_wants_usage=True, continuous_usage=client_asked)
+    tel.choices_per_prompt = 2
+    relayed = [tel.chunk(c) for c in (_running("a", 0, 1), _running("b", 1, 1), _running("c", 0, 2))]
+    assert ("usage" in json.loads(relayed[0][len("data: "):])) == client_asked
+    assert json.loads(relayed[2][len("data: "):])["choices"][0]["delta"]["content"] == "c"
+    # cut here (the client hung up): two choices, 2 + 1 tokens so far, one prompt of 7
+    assert (tel.prompt_tokens, tel.completion_tokens) == (7, 3)
+
+
+def test_a_batch_counts_each_prompt_once():
+    tel = RequestTelemetry("m", "completion", {}, "req-1")
+    tel.choices_per_prompt = 2  # choices 0, 1 answer prompt 0; 2, 3 prompt 1
+    for index, prompt in [(0, 5), (1, 5), (2, 9), (3, 9), (3, 9)]:
+        tel.chunk(_running("x", index, 1, prompt))
+    assert (tel.prompt_tokens, tel.completion_tokens) == (14, 4)
+
+
+def test_an_error_event_inside_a_stream_is_noted_for_the_relay():
+    tel = RequestTelemetry("m", "chat", {}, "req-1")
+    error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
+    assert tel.chunk("data: " + json.dumps(error) + "\n\n")
+    assert tel.in_band_error == error["error"]
 
 
 @pytest.mark.parametrize("client_asked", [False, True])

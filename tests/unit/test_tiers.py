@@ -9,7 +9,7 @@ import random
 import pytest
 
 from deployments.telemetry import choice_text
-from deployments.tiering import Tiering
+from deployments.tiering import MONITOR_MAX_TOKENS, Tiering
 from routing.tiers import AgreementMonitor, NoTierAllowed, Tier, TierRouter, cosine, features
 from shunter.config import ConfigError, parse_config
 
@@ -182,7 +182,7 @@ def test_the_monitor_samples_only_lower_tiers_at_its_ratio_and_promotes_through_
     assert tiering.classify("chat", SIMPLE, {}, lambda model: True).reason == "promoted"
 
 
-def test_the_judge_asks_the_top_tier_greedily_then_the_embedding_model():
+def test_the_judge_asks_both_tiers_greedily_at_its_own_length_then_the_embedding_model():
     import asyncio
 
     tiering = Tiering(tiers_config(monitor={"sample_ratio": 1, "embedding_model": "minilm"}))
@@ -192,13 +192,18 @@ def test_the_judge_asks_the_top_tier_greedily_then_the_embedding_model():
         asked.append((model, endpoint, body))
         if endpoint == "embedding":
             return {"data": [{"embedding": [1.0, 0.0]}, {"embedding": [1.0, 1.0]}]}
-        return {"choices": [{"message": {"content": "Paris."}}]}
+        return {"choices": [{"message": {"content": "Paris" if model == "smol" else "Paris."}}]}
 
     decision = tiering.classify("chat", SIMPLE, {}, lambda model: True)
-    body = {**SIMPLE, "model": "smol", "stream": True, "temperature": 1.5, "seed": 3, "max_tokens": 9}
-    agreement = asyncio.run(tiering.judge(decision, "chat", body, "Paris", ask))
+    # A client's sampling choices (here: wild ones) never reach the comparison.
+    body = {**SIMPLE, "model": "smol", "stream": True, "temperature": 2, "seed": 3, "max_tokens": 1,
+            "logit_bias": {"9": 100}, "top_p": 0.1}
+    agreement = asyncio.run(tiering.judge(decision, "chat", body, ask))
     assert agreement == pytest.approx(0.7071, abs=1e-3)
-    (model, endpoint, reference), (embed, _, vectors) = asked
-    assert (model, endpoint, embed) == ("big", "chat", "minilm")
-    assert reference["temperature"] == 0 and "stream" not in reference and "seed" not in reference
-    assert reference["max_tokens"] == 9 and vectors["input"] == ["Paris", "Paris."]
+    served, reference, (embed, _, vectors) = asked
+    assert (served[0], reference[0], embed) == ("smol", "big", "minilm")
+    for _, endpoint, question in (served, reference):
+        assert endpoint == "chat"
+        assert question == {"messages": SIMPLE["messages"], "model": question["model"], "temperature": 0,
+                            "max_tokens": MONITOR_MAX_TOKENS}
+    assert vectors["input"] == ["Paris", "Paris."]

@@ -1,0 +1,69 @@
+"""The admin API's request bodies, as typed models with bounds: parsed once, refused with a 400 naming the
+field otherwise. Non-finite numbers never get in (the JSON reader refuses NaN and Infinity, and these
+models refuse them again), so nothing an operator sends can turn a traffic weight into NaN.
+
+The same models describe the bodies in the gateway's OpenAPI document, so the schema fuzzers exercise
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from shunter.errors import ApiError, validation_error_body
+
+MAX_WEIGHT = 1_000_000.0
+MAX_DRAIN_TIMEOUT_S = 86_400.0
+
+
+class _AdminBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class WeightsBody(_AdminBody):
+    """PUT /admin/models/{model}/weights."""
+
+    weights: dict[str, float] = Field(
+        min_length=1, description="Version name: weight (0 to 1,000,000). Versions above 0 run; the rest retire.")
+
+    @field_validator("weights")
+    @classmethod
+    def _bounded(cls, weights: dict[str, float]) -> dict[str, float]:
+        bad = {v: w for v, w in weights.items() if not 0 <= w <= MAX_WEIGHT}
+        if bad:
+            raise ValueError(f"weights are from 0 to {MAX_WEIGHT:g}; got {bad}")
+        if sum(weights.values()) <= 0:
+            raise ValueError("at least one version needs a weight above 0")
+        return weights
+
+
+class DrainBody(_AdminBody):
+    """POST /admin/models/{model}/replicas/{replica}/drain (every field optional)."""
+
+    replace: StrictBool = Field(default=True, description="Replace the replica once it is idle.")
+    force: StrictBool = Field(default=False, description="Drain even the last routable replica.")
+    timeout_s: float | None = Field(
+        default=None, ge=0, le=MAX_DRAIN_TIMEOUT_S,
+        description="Retire at the latest after this many seconds (default: the model's draining.timeout_s).")
+
+
+class RolloutStartBody(BaseModel):
+    """POST /admin/rollouts/{model}: the version to roll out to, plus any of the model's `rollout` settings
+    for this rollout only (checked as the config file's `rollout:` section is)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    to: str = Field(min_length=1, max_length=200, description="The version to roll out to.")
+
+
+def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`body` as `model`, or a 400 naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError.from_body(400, validation_error_body(exc)) from None
+
+
+ADMIN_BODIES: tuple[type[BaseModel], ...] = (WeightsBody, DrainBody, RolloutStartBody)

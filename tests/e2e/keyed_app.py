@@ -1,0 +1,72 @@
+"""The app with API keys, quotas and limits that two e2e modules share: the keys-and-fuzzing module and
+the hostile-client module (one app start for both; tests/e2e/conftest.py stops it after the last test
+that uses it).
+
+Keys reach the gateway as a real deployment gives them: environment variables of its process and a key
+file (not a Serve runtime_env: Ray's runtime-env agent writes its env_vars to its log). The limits are
+tight (8 generated tokens, n <= 2, 200 prompt tokens) so requests that pass every check finish fast on 2
+CPU cores; the gateway takes few requests at once and few slow uploads, so the slow-upload test needs
+hundreds of connections, not thousands.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from shunter.auth import new_key
+from tests.integration.local_app import local_app
+
+from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
+
+APP = "keys-e2e"
+FULL, CHAT_ONLY, BUDGET, ADMIN = new_key(), new_key(), new_key(), new_key()
+ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET}
+MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
+BUDGET_TOKENS_PER_MINUTE = 1000
+GATEWAY_SLOTS, UPLOAD_SLOTS = 96, 8
+TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
+
+
+def args(admin_key_file: Path) -> dict[str, Any]:
+    engine = {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1}
+    return {
+        "models": [
+            {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
+             "engine": engine},
+            {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
+             "engine": {**engine, "max_model_len": 256}},
+        ],
+        "gateway": {"max_ongoing_requests": GATEWAY_SLOTS, "max_body_reads": UPLOAD_SLOTS, "body_timeout_s": 10,
+                    "queue_timeout_s": 30,
+                    "limits": {"max_tokens": MAX_TOKENS, "max_n": MAX_N, "max_messages": 32,
+                               "max_prompt_tokens": MAX_PROMPT_TOKENS, "request_timeout_s": 60,
+                               "stream_idle_timeout_s": 30}},
+        "auth": {
+            "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
+                     {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
+                      "tokens_per_minute": 120},
+                     {"name": "budget", "key_env": "SHUNTER_TEST_KEY_BUDGET",
+                      "tokens_per_minute": BUDGET_TOKENS_PER_MINUTE}],
+            "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
+        },
+    }
+
+
+@contextmanager
+def keyed_app(secrets: Path) -> Iterator[str]:
+    key_file = secrets / "admin-key"
+    key_file.write_text(ADMIN + "\n")
+    # In the environment of the processes Ray starts (as `ray start` in a shell, or a pod's env from a
+    # Secret, gives them), not in a runtime_env.
+    os.environ.update(ENV)
+    try:
+        with local_app(args(key_file), APP) as base:
+            wait_ready(base)
+            yield base
+    finally:
+        for name in ENV:
+            os.environ.pop(name, None)
