@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
