@@ -94,8 +94,9 @@ def parse(endpoint: str, body: dict[str, Any]) -> ParsedRequest:
         typed = _request_models()[endpoint].validate_python(body)
     except ValidationError as exc:
         raise ApiError.from_body(400, validation_error_body(exc)) from None
-    except (ValueError, TypeError) as exc:  # vLLM's own validators may raise outside pydantic's wrapping
-        raise ApiError(400, f"invalid request: {str(exc)[:300]}", code="invalid_request") from None
+    except Exception as exc:  # noqa: BLE001 - vLLM's validators raise VLLMValidationError, which pydantic does not wrap
+        message = str(exc).split(" (parameter=")[0]
+        raise ApiError(400, message[:500], param=getattr(exc, "parameter", None)) from None
     fields = typed.__dict__  # the parsed values (vLLM marks max_tokens deprecated: its getter warns)
     forwarded = dict(body)
     for name in _DECIDED:
