@@ -269,9 +269,13 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=12)
 TEXT = st.text(max_size=40)
 # Numbers also come as strings and floats, and past the limits: a 200 must still keep every limit.
-COUNT = st.integers(1, 12) | st.integers(1, 12).map(str) | st.integers(1, 12).map(float)
+def _count(limit: int) -> st.SearchStrategy[Any]:
+    within = st.integers(1, limit)
+    return within | within.map(str) | within.map(float) | st.integers(limit + 1, limit + 6).map(str)
+
+
 SAMPLING = {"stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-            "max_tokens": COUNT, "n": COUNT, "temperature": st.floats(0, 2),
+            "max_tokens": _count(MAX_TOKENS), "n": _count(MAX_N), "temperature": st.floats(0.1, 2),
             "top_p": st.floats(0.1, 1), "stop": TEXT | st.lists(TEXT, max_size=2), "seed": st.integers(0, 2**31),
             "user": TEXT}
 VALID = {
