@@ -38,7 +38,6 @@ from deployments.openai_schema import (
     CompletionRequest,
     EmbeddingRequest,
     add_components,
-    admin_body,
     request_body,
 )
 from deployments.replica_admin import ReplicaAdmin
@@ -463,7 +462,7 @@ class Gateway:
         await self.traffic.refresh_now()
         return JSONResponse(self._rollout_status(model))
 
-    @app.post("/admin/rollouts/{model_id:path}", openapi_extra=admin_body(RolloutStartBody))
+    @app.post("/admin/rollouts/{model_id:path}", openapi_extra=request_body(RolloutStartBody))
     async def start_rollout(self, model_id: str, request: Request) -> Response:
         """Body: {"to": VERSION} plus any of the model's `rollout` settings to use for this rollout only
         (steps, hold_s, max_hold_s, ready_timeout_s, gates)."""
@@ -479,7 +478,7 @@ class Gateway:
             return _error(404, "tier routing is off (no `tiers:` in the config)", code="tiers_off")
         return JSONResponse(self.tiering.status())
 
-    @app.put("/admin/models/{model_id:path}/weights", openapi_extra=admin_body(WeightsBody))
+    @app.put("/admin/models/{model_id:path}/weights", openapi_extra=request_body(WeightsBody))
     async def set_weights(self, model_id: str, request: Request) -> Response:
         """Body: {"weights": {VERSION: WEIGHT, ...}}. Versions given a weight above 0 run; the others are
         retired. Refused while a rollout of the model is in progress."""
@@ -499,7 +498,7 @@ class Gateway:
         await self.traffic.refresh_now()
         return JSONResponse({"model": model.name, "replicas": await self.replicas.replicas(model)})
 
-    @app.post("/admin/models/{model_id:path}/replicas/{replica_id}/drain", openapi_extra=admin_body(DrainBody))
+    @app.post("/admin/models/{model_id:path}/replicas/{replica_id}/drain", openapi_extra=request_body(DrainBody))
     async def drain_replica(self, model_id: str, replica_id: str, request: Request) -> Response:
         """Body (optional): {"replace": true, "timeout_s": the model's draining.timeout_s, "force": false}.
         Cordons the replica on every gateway; with `replace`, Ray Serve replaces it once it holds no

@@ -84,11 +84,6 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
             "security": [{BEARER: []}]}
 
 
-def admin_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for an admin route whose JSON body is `model`."""
-    return request_body(model)
-
-
 def add_components(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the request models and the bearer scheme to a generated OpenAPI document."""
     components = schema.setdefault("components", {})
