@@ -37,8 +37,8 @@ $(STAMP): pyproject.toml
 models: install ## Prepare the builtin models of CONFIG into the model cache (once)
 	$(BIN)/shunter models prepare $(CONFIG)
 
-serve: models ## Serve CONFIG locally on http://127.0.0.1:8000/v1 (serve run; Ctrl-C stops)
-	$(BIN)/serve run $(CONFIG)
+serve: models ## Serve CONFIG locally on http://127.0.0.1:8000/v1 (shunter serve; Ctrl-C drains, then stops)
+	$(BIN)/shunter serve $(CONFIG)
 
 $(CHECKOV):
 	$(PYTHON) -m venv $(VENV)/tools/checkov

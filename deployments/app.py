@@ -19,7 +19,7 @@ from ray.serve import Application
 
 from deployments.gateway import Gateway
 from deployments.model_server import ModelServer
-from ops.draining import ray_shutdown_timeout_s
+from ops.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
 from routing.custom import guarded_path, import_router
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import CoreDemand, core_headroom, core_shortfall, cores_per_replica
@@ -185,6 +185,7 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
             # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
             # event, at the drain timeout before that (ops.draining).
             "graceful_shutdown_timeout_s": ray_shutdown_timeout_s(model.draining.timeout_s),
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "max_surge_percent": 100 if surge == "auto" else surge,
             **placement,
         },
@@ -385,6 +386,7 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
         max_ongoing_requests=cfg.gateway.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=ray_shutdown_timeout_s(max(m.draining.timeout_s for m in cfg.models)),
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         max_surge_percent=100,
         logging_config=logs,
     ).bind(cfg.model_dump(mode="json"), servers)

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from ops import metrics
 
 RAY_KILL_MARGIN_S = 30.0
+# How often a leaving replica looks for ongoing requests (Ray's graceful_shutdown_wait_loop_s). Ray's
+# default of 2 s is paid once per deployment even when the replica is idle, so an idle `serve run` took
+# seconds per stage to stop on Ctrl-C; a count of local requests is cheap to poll.
+SHUTDOWN_POLL_S = 0.25
 
 
 def ray_shutdown_timeout_s(drain_timeout_s: float) -> float:

@@ -1,5 +1,6 @@
 """The `shunter` command: the face of the platform. Imports lazily so `--help` stays instant.
 
+    shunter serve FILE            serve a config on this machine, in the foreground (Ctrl-C drains, then stops)
     shunter config check FILE     validate a Serve config file (as the app builder would, on this machine or
                                   its `cluster:`) and print the resolved Shunter config
     shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs or CPU cores would go (checks split, capacity)
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(no Grafana needed; its own options: --help)")
 
     from shunter.cli_rollout import add_parsers as add_rollout_parsers
+    from shunter.cli_serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
 
     add_rollout_parsers(sub)
 

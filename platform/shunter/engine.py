@@ -31,6 +31,10 @@ from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
 
+# Seconds vLLM's engine-core process gets to exit by itself at shutdown before it is killed (its workers
+# notice their parent is gone and exit on their own).
+ENGINE_EXIT_GRACE_S = 2.0
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -331,4 +335,7 @@ class VLLMEngine:
         return int(self._engine.vllm_config.cache_config.block_size or 16)
 
     def shutdown(self) -> None:
-        self._engine.shutdown()
+        # Called once Ray Serve has drained the replica, so the engine holds nothing worth waiting for.
+        # vLLM otherwise gives its engine-core process 5 s to exit after SIGTERM and then kills it anyway
+        # (measured: it always needed the kill), which every idle Ctrl-C and scale-down paid.
+        self._engine.shutdown(timeout=ENGINE_EXIT_GRACE_S)

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shunter.cli import main as cli_main
 from shunter.config import ConfigError, ShunterConfig, parse_config
@@ -157,6 +158,19 @@ def test_cli_config_check_rejects_a_non_serve_file(tmp_path):
     with pytest.raises(SystemExit) as info:
         cli_main(["config", "check", str(bad)])
     assert "applications" in str(info.value)
+
+
+def test_shunter_serve_refuses_a_bad_file_or_a_foreign_app_before_starting_ray(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: []\n")
+    with pytest.raises(SystemExit, match="applications"):
+        cli_main(["serve", str(bad)])
+    mixed = tmp_path / "mixed.yaml"
+    config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config["applications"].append({"name": "other", "route_prefix": "/other", "import_path": "my.app:build"})
+    mixed.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit, match="other is not one: use `serve run`"):
+        cli_main(["serve", str(mixed)])
 
 
 def test_admission_and_draining_bounds_are_checked():
