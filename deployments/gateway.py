@@ -219,6 +219,7 @@ class _Started:
     head: dict[str, Any]
     stream: Any
     first_chunk: str | None
+    routing_id: str  # this attempt's id in the routing state (each attempt has its own)
 
 
 class _RelayEnd:
@@ -229,7 +230,7 @@ class _RelayEnd:
 
     def __init__(self, started: _Started, routing: DeploymentRouting, drains: DrainTracker, gate: AdmissionGate,
                  on_outcome: Callable[[bool], None] | None = None, tel: RequestTelemetry | None = None):
-        self.stream, self.replica = started.stream, started.replica
+        self.stream, self.replica, self.routing_id = started.stream, started.replica, started.routing_id
         self.routing, self.drains, self.gate = routing, drains, gate
         self.on_outcome = on_outcome
         self.tel = tel
@@ -247,8 +248,7 @@ class _RelayEnd:
         if not finished:  # client disconnected or we were cancelled: abort the engine request
             _cancel(self.stream)
         self.drains.closed(self.replica, self.routing.departed_at(self.replica), aborted)
-        if self.tel is not None:
-            self.routing.finished(self.tel.routing_id)
+        self.routing.finished(self.routing_id)
         self.gate.release()
         if ok is not None and self.on_outcome is not None:
             self.on_outcome(ok)
@@ -738,7 +738,7 @@ class Gateway:
             headers = {REPLICA_HEADER: started.replica, VERSION_HEADER: version}
             if not started.head["stream"]:
                 tel.whole_reply(started.head["body"])
-                routing.finished(tel.routing_id)
+                routing.finished(started.routing_id)
                 routing.record_outcome(started.replica, False)
                 if started.head["status"] < 400:  # a client error says nothing about the version
                     self.traffic.record(model, version, True, None, first_byte_s)
@@ -759,8 +759,6 @@ class Gateway:
         """Start the request on one version, failing over once between its replicas. Raises _VersionFailed
         with the client's response when the version cannot serve it."""
 
-        routing_id = tel.routing_id
-
         def failed(failure: ReplicaFailure) -> None:
             log.warning("model %s request %s: replica %s failed before the first byte: %s", model.name,
                         tel.request_id, failure.replica, failure.why)
@@ -770,6 +768,7 @@ class Gateway:
             if avoid and routing.unavailable_for_s() is not None:
                 raise _AllReplicasOut()  # the failure just recorded opened the last breaker
             carrier = tel.routing(version, attempt=len(avoid) + 1)
+            routing_id = f"{tel.routing_id}.{len(avoid) + 1}"
             try:
                 return await self._attempt(model, version, routing, tel,
                                            ReplicaRequest(request_id=routing_id, avoid=avoid, endpoint=endpoint,
@@ -848,7 +847,7 @@ class Gateway:
             if head["status"] >= 500:
                 message = ((head.get("body") or {}).get("error") or {}).get("message", "")
                 raise ReplicaFailure(replica, f"engine answered {head['status']}: {message}"[:300])
-            return _Started(replica, head, stream, first)
+            return _Started(replica, head, stream, first, request.request_id)
         except BaseException:
             _cancel(stream)
             raise

@@ -148,13 +148,23 @@ class ModelServer:
                 request.endpoint == "completion" and "max_tokens" in body)):
             # vLLM refuses max_tokens past the context length and trims it to what the prompt leaves.
             body = {**body, "max_tokens": min(limits.max_tokens, self.engine.max_model_len())}
-        if limits.max_prompt_tokens is not None:
-            tokens = await self.engine.count_prompt_tokens(request.endpoint, body)
-            if tokens is not None and tokens > limits.max_prompt_tokens:
-                param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
-                return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "
-                                        f"{limits.max_prompt_tokens} prompt tokens per request", 400,
-                                        param=param, code="prompt_too_long")
+        # A stream's prompts are rendered before it starts, so that what vLLM would find wrong only once it
+        # streams (an empty prompt in a completion: an error event inside a 200) is a 400 instead.
+        streamed_completion = request.endpoint == "completion" and body.get("stream") is True
+        if limits.max_prompt_tokens is None and not streamed_completion:
+            return body, None
+        lengths = await self.engine.prompt_lengths(request.endpoint, body)
+        if not lengths:
+            return body, None
+        if request.endpoint == "completion" and min(lengths) == 0:
+            return body, error_body("The decoder prompt cannot be empty" + (
+                f" (prompt {lengths.index(0)} of the batch)" if len(lengths) > 1 else ""), 400, param="prompt")
+        tokens = max(lengths)
+        if limits.max_prompt_tokens is not None and tokens > limits.max_prompt_tokens:
+            param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
+            return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "
+                                    f"{limits.max_prompt_tokens} prompt tokens per request", 400,
+                                    param=param, code="prompt_too_long")
         return body, None
 
     async def ready(self, route: RouteHint | None = None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,6 +25,10 @@ from routing.prefix import PrefixIndex
 from shunter.config import DEFAULT_VERSION, RoutingConfig
 
 log = logging.getLogger("ray.serve")
+
+# How long the state remembers that the gateway finished a request, so that a router's late report of
+# sending it is not counted (see `finished`). The race it guards spans milliseconds.
+_FINISHED_KEPT_S = 60.0
 
 
 class DeploymentRouting:
@@ -48,6 +53,8 @@ class DeploymentRouting:
         # request -> (replica, prompt tokens, when): chosen by a router and not yet sent (see `reserve`)
         self._reserved: dict[str, tuple[str, int, float]] = {}
         self.cordoned: frozenset[str] = frozenset()  # replicas an operator drains: no new requests
+        self._finished: set[str] = set()  # request ids the gateway is done with, kept _FINISHED_KEPT_S
+        self._finished_order: deque[tuple[float, str]] = deque()
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
@@ -151,6 +158,8 @@ class DeploymentRouting:
 
     def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0) -> None:
         with self._lock:
+            if request_id in self._finished:
+                return  # reported after the gateway finished it (see `finished`): nothing is in flight
             if (replica, request_id) not in self._flights:
                 self._flights.add((replica, request_id))
                 self.inflight[replica] = self.inflight.get(replica, 0) + 1
@@ -181,11 +190,21 @@ class DeploymentRouting:
 
     def finished(self, request_id: str) -> None:
         """The gateway is done with the request (answered, failed, or cancelled): whatever replica still
-        counts it, in flight or by reservation, stops counting it."""
+        counts it, in flight or by reservation, stops counting it. The id is remembered for a while: Ray
+        reports a request routed only after the replica accepted it, on the router's own event loop, and a
+        short stream can be relayed whole and finished here before that report arrives; counted then, it
+        would stay in flight for good. The gateway gives every attempt its own id, so a retry is never
+        mistaken for the attempt that finished."""
         with self._lock:
             for replica in [r for r, q in self._flights if q == request_id]:
                 self.completed(replica, request_id)
             self._prefilled(request_id)
+            now = self.clock()
+            while self._finished_order and now - self._finished_order[0][0] > _FINISHED_KEPT_S:
+                self._finished.discard(self._finished_order.popleft()[1])
+            if request_id not in self._finished:
+                self._finished.add(request_id)
+                self._finished_order.append((now, request_id))
 
     def _prefilled(self, request_id: str) -> None:
         entry = self._prefill.pop(request_id, None)

@@ -285,15 +285,15 @@ class VLLMEngine:
         """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""
         return int(self._engine.get_num_unfinished_requests())
 
-    async def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
-        """Prompt tokens of a request (for a batch of prompts, the longest), rendered exactly as the engine
-        will render it: vLLM's own renderer, so a chat counts its template, content parts, tool
+    async def prompt_lengths(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """Prompt tokens of each prompt of a request (one for a chat, each of a batch), rendered exactly as
+        the engine will render it: vLLM's own renderer, so a chat counts its template, content parts, tool
         definitions and documents. None when the body cannot be rendered: vLLM's own call answers why."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         if endpoint == "embedding":
-            return await asyncio.to_thread(self._count_input_tokens, body)
+            return await asyncio.to_thread(self._input_lengths, body)
         handler = self._state.openai_serving_chat if endpoint == "chat" else self._state.openai_serving_completion
         if handler is None:
             return None
@@ -305,12 +305,12 @@ class VLLMEngine:
                 inputs = await handler.render_completion_request(_adapter(CompletionRequest).validate_python(body))
             if not isinstance(inputs, list):  # an ErrorResponse
                 return None
-            return max((int(handler._extract_prompt_len(i)) for i in inputs), default=0)
+            return [int(handler._extract_prompt_len(i)) for i in inputs]
         except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
             return None
 
-    def _count_input_tokens(self, body: dict[str, Any]) -> int | None:
-        """Embedding inputs by the model's tokenizer; for a batch, the longest."""
+    def _input_lengths(self, body: dict[str, Any]) -> list[int] | None:
+        """Embedding inputs' lengths by the model's tokenizer."""
         tokenizer = self._engine.tokenizer
         if tokenizer is None:
             return None
@@ -320,7 +320,7 @@ class VLLMEngine:
                 prompts = [prompts]
             if not isinstance(prompts, list):
                 return None
-            return max((len(p) if isinstance(p, list) else len(tokenizer.encode(p)) for p in prompts), default=0)
+            return [len(p) if isinstance(p, list) else len(tokenizer.encode(p)) for p in prompts]
         except Exception:  # noqa: BLE001 - a malformed prompt: the engine's validation says what is wrong
             return None
 

@@ -310,11 +310,8 @@ def limits_broken(body: Any, resp: httpx.Response) -> str | None:
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[len("data: "):])
-            code = (event.get("error") or {}).get("code") if isinstance(event.get("error"), dict) else None
-            if isinstance(code, int) and code >= 500:
-                return f"an engine error event inside a 200 stream: {event['error']}"
-            # A client error found mid-stream (vLLM: an empty prompt in a batch) is still sent in-band as
-            # a 400 event: left for issue 19/20, where the gateway should answer it as a 400 before streaming.
+            if event.get("error"):  # a request the platform accepted with a 200 must not fail mid-stream
+                return f"an error event inside a 200 stream: {event['error']}"
             for choice in event.get("choices") or ():
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     tokens[choice["index"]] += 1  # a chunk carries at least one token

@@ -100,6 +100,15 @@ def test_bad_streaming_request_fails_before_the_stream(live_app):
     _assert_openai_error(resp, 400, "max_tokens")
 
 
+@pytest.mark.parametrize("prompt", ["", ["Paris is", ""]], ids=["empty", "empty in a batch"])
+def test_an_empty_prompt_to_a_completion_stream_fails_before_the_stream(live_app, prompt):
+    """vLLM finds an empty prompt only once it generates, which in a stream is an error event inside a 200;
+    the replica renders a stream's prompts first, so the client gets the 400 it would get without `stream`."""
+    resp = _post(live_app, "/completions", json={"model": CHAT_MODEL, "prompt": prompt, "max_tokens": 4,
+                                                 "stream": True})
+    _assert_openai_error(resp, 400, "prompt", "empty")
+
+
 def test_completions_and_embeddings_errors(live_app):
     _assert_openai_error(_post(live_app, "/completions", json={"model": CHAT_MODEL, "prompt": "x", "max_tokens": 0}),
                          400, "max_tokens")

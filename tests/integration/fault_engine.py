@@ -143,7 +143,7 @@ class FaultInjectingEngine:
     def max_model_len(self) -> int:
         return 2048
 
-    async def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int | None:
+    async def prompt_lengths(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         return None  # no tokenizer: prompt-token limits are the real engine's (tests/e2e)
 
     def kv_cache_blocks(self) -> int:

@@ -146,3 +146,27 @@ def test_commands_are_checked(app):
         assert resp.status_code == code, resp.text
         assert resp.json()["error"]["message"]
     assert httpx.post(f"{app}/admin/rollouts/nope", json={"to": "v1"}, timeout=30).status_code == 404
+
+
+def test_ready_is_503_while_the_only_version_taking_traffic_cannot_start(app):
+    """An operator moves all traffic to a version that never starts: the model has nothing able to serve,
+    and /ready must say so (with why) rather than `ready: true` while every request fails."""
+    def weights(split: dict[str, float]) -> None:
+        resp = httpx.put(f"{app}/admin/models/{MODEL}/weights", json={"weights": split}, timeout=60)
+        assert resp.status_code == 200, resp.text
+
+    weights({"never": 100, "v1": 0})
+    try:
+        ready = httpx.get(f"{app}/ready", timeout=60)
+        assert ready.status_code == 503 and ready.headers.get("Retry-After"), ready.text
+        echo = ready.json()["models"][MODEL]
+        assert echo["ready"] is False and "version never" in echo["reason"], echo
+        chat = httpx.post(f"{app}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert chat.status_code == 503 and chat.headers.get("Retry-After"), chat.text  # not a 500
+    finally:
+        weights({"v1": 100, "never": 0})
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{app}/ready", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "v1 did not come back"
+        time.sleep(1)

@@ -184,3 +184,21 @@ def test_the_router_and_the_gateway_both_ending_a_request_count_it_once():
     state.dispatched("r2", "q2")  # a retry of q2 elsewhere is its own flight
     state.finished("q2")
     assert state.load("r1") == 0 and state.load("r2") == 0
+
+
+def test_a_request_finished_before_its_route_was_reported_is_never_counted():
+    """Ray reports a request routed (on the router's loop) after the replica accepted it; a short stream
+    can be relayed whole and finished by the gateway first. Seen on a live app as one request left counted
+    in flight for good after six concurrent 8-token streams."""
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1"])
+    state.finished("q1.1")  # the gateway relayed the whole reply
+    state.dispatched("r1", "q1.1", prefill_tokens=40)  # the router's late report
+    state.completed("r1", "q1.1")  # and Ray's completion, possibly even before it
+    assert state.load("r1") == 0 and state.pending_prefill("r1") == 0
+    state.dispatched("r1", "q1.2")  # the gateway's retry is another attempt id: counted
+    assert state.load("r1") == 1
+    clock.now += 61
+    state.finished("q1.2")  # the memory of finished ids is bounded in time
+    assert state.load("r1") == 0 and "q1.1" not in state._finished
