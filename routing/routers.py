@@ -68,7 +68,6 @@ class ShunterGuard:
             block_size=spec.get("block_size"),
         )
         self._rng = random.Random()
-        self._routed: dict[str, tuple[str, str]] = {}  # internal id -> (replica, request id), until completed
         super().initialize_state(**kwargs)  # type: ignore[misc]
 
     # ---- candidate filtering ------------------------------------------------------------------
@@ -120,20 +119,19 @@ class ShunterGuard:
         # Keyed by the caller's request id when it sent one: the gateway reports the first byte by it.
         request_id = (hint.request_id if hint is not None and hint.request_id
                       else pending_request.metadata.internal_request_id)
-        self._routed[pending_request.metadata.internal_request_id] = (replica, request_id)
         state.unreserve(pending_request.metadata.internal_request_id)
         if getattr(pending_request, "_shunter_skipped", False):
             metrics.decision(state.model, state.version, state.policy, BREAKER_SKIP)
         if hint is not None and hint.avoid:
             metrics.decision(state.model, state.version, state.policy, RETRY)
         if not isinstance(hint, ReplicaRequest):
-            state.dispatched(replica, request_id)
+            self._count_until_done(replica, request_id, result)
             return
         key = getattr(pending_request, "_shunter_key", None)
         if key is None:
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
         matched = state.matched(replica, key.keys)
-        state.dispatched(replica, request_id, prefill_tokens=key.uncached_tokens(matched))
+        self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched))
         if key.chars:
             metrics.prefix_match(state.model, state.version, min(1.0, matched * key.chunk_chars / key.chars))
         reason = self._reason(pending_request, replica, matched)
@@ -141,11 +139,19 @@ class ShunterGuard:
             metrics.decision(state.model, state.version, state.policy, reason)
         state.record_prefix(replica, key.keys)
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        super().on_request_completed(replica_id, internal_request_id)  # type: ignore[misc]
-        routed = self._routed.pop(internal_request_id, None)
-        if routed is not None:  # rejected attempts were never counted as dispatched
-            self._shunter.completed(*routed)
+    def _count_until_done(self, replica: str, request_id: str, result: Any, prefill_tokens: int = 0) -> None:
+        """Count the request in flight on `replica` until its call ends. Ray's on_request_completed cannot
+        end it: Ray registers that callback before the replica accepts the call and reports the routing
+        only after, so a short call (a stats probe, a whole 8-token stream) can complete first, and a count
+        taken then would stay for good. A callback added now runs after the count, at once if the call
+        already ended. (The gateway also ends its requests itself: RoutingState.finished.)"""
+        state = self._shunter
+        state.dispatched(replica, request_id, prefill_tokens)
+        add_done_callback = getattr(result, "add_done_callback", None)
+        if add_done_callback is None:  # not a Ray call (nothing would ever report its end): do not count it
+            state.completed(replica, request_id)
+            return
+        add_done_callback(lambda _: state.completed(replica, request_id))
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
         return self.policy_name

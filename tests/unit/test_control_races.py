@@ -65,6 +65,15 @@ async def _asked(status: HeldStatus) -> None:
     assert await asyncio.to_thread(status.asked.wait, 10), "no tick asked for Ray's status"
 
 
+async def _tick_held_on_ray(control: ShunterControl, status: HeldStatus, clock: Clock) -> asyncio.Task:
+    """Start smol's rollout to v2, ready by now, and a tick that is held waiting for Ray's status."""
+    await control.start_rollout(_context("smol"), "v2")
+    clock.now += 5
+    tick = asyncio.create_task(control._tick_all())  # v2 is ready: this tick would shift 10% to it
+    await _asked(status)
+    return tick
+
+
 def _rollout(control: ShunterControl, model: str = "smol") -> dict[str, Any]:
     return control.state["rollouts"][model]["rollout"]
 
@@ -75,10 +84,7 @@ def test_a_rollback_that_lands_while_a_tick_awaits_is_not_overwritten():
     control = _control(status, clock, store)
 
     async def scenario() -> None:
-        await control.start_rollout(_context("smol"), "v2")
-        clock.now += 5
-        tick = asyncio.create_task(control._tick_all())  # v2 is ready: this tick would shift 10% to it
-        await _asked(status)
+        tick = await _tick_held_on_ray(control, status, clock)
         await asyncio.wait_for(control.rollback("smol"), 5)  # not held up by Ray's status
         status.answer.set()
         await tick
@@ -98,10 +104,7 @@ def test_a_pause_that_lands_while_a_tick_awaits_holds_the_rollout_and_resume_car
     control = _control(status, clock, store)
 
     async def scenario() -> None:
-        await control.start_rollout(_context("smol"), "v2")
-        clock.now += 5
-        tick = asyncio.create_task(control._tick_all())
-        await _asked(status)
+        tick = await _tick_held_on_ray(control, status, clock)
         await asyncio.wait_for(control.pause("smol"), 5)
         status.answer.set()
         await tick

@@ -202,3 +202,39 @@ def test_a_request_finished_before_its_route_was_reported_is_never_counted():
     clock.now += 61
     state.finished("q1.2")  # the memory of finished ids is bounded in time
     assert state.load("r1") == 0 and "q1.1" not in state._finished
+
+
+class _Call:
+    """A Ray call's result as the router sees it: done callbacks run at once once it has ended."""
+
+    def __init__(self, done: bool = False):
+        self.done, self.callbacks = done, []
+
+    def add_done_callback(self, callback) -> None:
+        if self.done:
+            callback(None)
+        else:
+            self.callbacks.append(callback)
+
+    def end(self) -> None:
+        self.done = True
+        for callback in self.callbacks:
+            callback(None)
+
+
+def test_a_call_that_ended_before_ray_reported_it_routed_is_not_left_in_flight():
+    """Ray registers its completion callback before the replica accepts a call and reports the routing
+    after: a short call (a stats probe, a whole short stream) can end first. Seen on a live app as one
+    request counted in flight for good. The router counts a call until a callback it adds itself."""
+    from routing.routers import LeastConnectionsRouter
+
+    router = object.__new__(LeastConnectionsRouter)  # the bookkeeping alone: no Ray router behind it
+    router._shunter = _state()
+    router._shunter.sync_replicas(["r1"])
+    router._count_until_done("r1", "stats-1", _Call(done=True))
+    assert router._shunter.load("r1") == 0
+    running = _Call()
+    router._count_until_done("r1", "q1.1", running, prefill_tokens=40)
+    assert router._shunter.load("r1") == 1 and router._shunter.pending_prefill("r1") == 40
+    running.end()
+    assert router._shunter.load("r1") == 0 and router._shunter.pending_prefill("r1") == 0
