@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.budget"]  # per-test timeouts, per-module and per-tier time budgets
+
 _TIERS = ("unit", "integration", "e2e")
 
 

@@ -40,11 +40,16 @@ def live_app() -> Iterator[LiveApp]:
 
     if APP_NAME not in _shared:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(local_app_args()), name=APP_NAME, route_prefix="/")
-        app = LiveApp(base_url=f"http://127.0.0.1:{port}")
-        wait_ready(app.base_url)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(local_app_args()), name=APP_NAME, route_prefix="/")
+            app = LiveApp(base_url=f"http://127.0.0.1:{port}")
+            wait_ready(app.base_url)
+        except BaseException:  # a failed start must not leave Ray holding the cores for later modules
+            serve.shutdown()
+            ray.shutdown()
+            raise
         _shared[APP_NAME] = app
     yield _shared[APP_NAME]
     _stop_shared_app()

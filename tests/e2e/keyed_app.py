@@ -23,10 +23,12 @@ from tests.integration.local_app import local_app
 from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
 
 APP = "keys-e2e"
-FULL, CHAT_ONLY, BUDGET, ADMIN = new_key(), new_key(), new_key(), new_key()
-ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET}
+FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key(), new_key()
+ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
+       "SHUNTER_TEST_KEY_PACED": PACED}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 BUDGET_TOKENS_PER_MINUTE = 1000
+PACED_REQUESTS_PER_MINUTE = 3
 GATEWAY_SLOTS, UPLOAD_SLOTS = 96, 8
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 
@@ -50,7 +52,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
                       "tokens_per_minute": 120},
                      {"name": "budget", "key_env": "SHUNTER_TEST_KEY_BUDGET",
-                      "tokens_per_minute": BUDGET_TOKENS_PER_MINUTE}],
+                      "tokens_per_minute": BUDGET_TOKENS_PER_MINUTE},
+                     {"name": "paced", "key_env": "SHUNTER_TEST_KEY_PACED",
+                      "requests_per_minute": PACED_REQUESTS_PER_MINUTE}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

@@ -13,6 +13,8 @@ request afterwards. Case counts are printed at the end (`-s`).
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,17 @@ from hypothesis import strategies as st
 
 from shunter.auth import key_id
 
-from .keyed_app import ADMIN, CHAT_ONLY, FULL, MAX_N, MAX_PROMPT_TOKENS, MAX_TOKENS, TIMEOUT_S
+from .keyed_app import (
+    ADMIN,
+    CHAT_ONLY,
+    FULL,
+    MAX_N,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKENS,
+    PACED,
+    PACED_REQUESTS_PER_MINUTE,
+    TIMEOUT_S,
+)
 from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
 pytestmark = pytest.mark.own_cluster
@@ -44,8 +56,9 @@ def client(base: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S)
 
 
-def chat(base: str, key: str | None, model: str = CHAT_MODEL, **extra: Any) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def chat(base: str, key: str | None, model: str = CHAT_MODEL, headers: dict[str, str] | None = None,
+         **extra: Any) -> httpx.Response:
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=TIMEOUT_S, json={
         "model": model, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
         "max_tokens": 8, "temperature": 0, **extra})
@@ -129,6 +142,17 @@ def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served(app):
     assert "x-ratelimit-limit-tokens" not in other.headers  # the full key has no quota
 
 
+def test_a_key_over_its_requests_per_minute_gets_429_until_its_window_refills(app):
+    statuses = [chat(app, PACED, max_tokens=1).status_code for _ in range(PACED_REQUESTS_PER_MINUTE)]
+    assert statuses == [200] * PACED_REQUESTS_PER_MINUTE
+    refused = chat(app, PACED, max_tokens=1)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and "requests" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-limit-requests"] == str(PACED_REQUESTS_PER_MINUTE)
+    assert chat(app, FULL, max_tokens=1).status_code == 200, "another key is not held by this one's limit"
+
+
 def test_usage_is_counted_per_key_id_never_per_key(app):
     from .live import scrape_until
 
@@ -163,18 +187,24 @@ def test_a_chat_that_names_no_max_tokens_gets_the_platform_limit(app):
 
 
 def test_keys_and_prompts_stay_out_of_every_log(app):
-    resp = chat(app, FULL, messages=[{"role": "user", "content": f"Say {PROMPT_MARKER}"}])
-    assert resp.status_code == 200
     import ray
 
+    request_id = f"leak-scan-{uuid.uuid4().hex}"  # logged by design: the scan's positive control
+    resp = chat(app, FULL, messages=[{"role": "user", "content": f"Say {PROMPT_MARKER}"}],
+                headers={"X-Request-ID": request_id})
+    assert resp.status_code == 200
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
-    assert logs.is_dir()
-    leaks = []
-    for path in logs.rglob("*"):
-        if path.is_file():
-            text = path.read_text(errors="replace")
-            leaks += [(path.name, what) for what, secret in
-                      [("full key", FULL), ("admin key", ADMIN), ("prompt", PROMPT_MARKER)] if secret in text]
+    deadline, leaks, traced = time.monotonic() + 30, [], []
+    while not traced and time.monotonic() < deadline:  # log lines reach their files within moments
+        leaks, traced = [], []
+        for path in logs.rglob("*"):
+            if path.is_file():
+                text = path.read_text(errors="replace")
+                traced += [path.name] if request_id in text else []
+                leaks += [(path.name, what) for what, secret in
+                          [("full key", FULL), ("admin key", ADMIN), ("prompt", PROMPT_MARKER)] if secret in text]
+        time.sleep(0 if traced else 1)
+    assert traced, "the scan found the request's own id nowhere: it is not reading the logs the request wrote"
     assert not leaks
 
 

@@ -22,8 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 import pytest
+
+from tests.integration.local_app import local_app
 
 from .live import LiveApp, free_port, running_replicas, scrape_until, wait_ready, wait_replicas
 
@@ -36,15 +39,7 @@ MAX_ONGOING, MAX_QUEUED = 8, 8
 
 @pytest.fixture(scope="module")
 def app(exclusive_machine) -> Iterator[tuple[LiveApp, str]]:
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"models": [
         {"name": "smol", "source": "builtin:smollm2-135m-instruct", "cpu_cores_per_replica": 1,
          "max_ongoing_requests": MAX_ONGOING, "admission": {"max_queued_requests": MAX_QUEUED},
@@ -56,14 +51,10 @@ def app(exclusive_machine) -> Iterator[tuple[LiveApp, str]]:
          "autoscaling": {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5},
          "engine": {"max_model_len": 256, "cpu_kv_cache_gib": 1}},
     ]}
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    live = LiveApp(base_url=f"http://127.0.0.1:{port}")
-    wait_ready(live.base_url)
-    try:
+    with local_app(args, APP, metrics_port=metrics_port) as base:
+        live = LiveApp(base_url=base)
+        wait_ready(live.base_url)
         yield live, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @dataclass
@@ -128,9 +119,13 @@ class Load:
                 self.ttfts.append(first)
 
 
-def test_a_model_scaled_to_zero_answers_its_first_request(app):
+def test_a_model_scaled_to_zero_is_not_woken_by_ready_and_answers_its_first_request(app):
     live, _ = app
     wait_replicas(APP, COLD, 0, timeout_s=120)
+    ready = httpx.get(f"{live.base_url}/ready", timeout=60)
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["models"]["cold"] == {"ready": True, "replicas": 0, "starts_on_demand": True}
+    assert running_replicas(APP, COLD) == 0, "a readiness probe must not start a scaled-to-zero model"
     started = time.monotonic()
     result = live.openai().embeddings.create(model="cold", input="wake up")
     print(f"\nscale from zero: embedding answered after {time.monotonic() - started:.1f}s")

@@ -105,10 +105,12 @@ def test_a_rollout_to_a_failing_version_is_rolled_back_with_no_client_error(live
                 {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {q}?"}]}
         ).status_code == 200
     start_rollout(live.base, MODEL, "broken")
-    answers = []
+    answers, deadline = [], time.monotonic() + 240
     while (status := httpx.get(f"{live.base}/admin/rollouts/{MODEL}", timeout=30).json())["rollout"]["phase"] \
             not in ("rolling_back", "done"):
+        assert time.monotonic() < deadline, f"the gates never judged the broken version: {status['rollout']}"
         answers.append(live.chat(f"hello {len(answers)}", user=f"user-{len(answers)}").status_code)
+    assert answers, "the rollout was judged before any request was sent"
     status = wait_done(live.base, MODEL)
     assert status["rollout"]["outcome"] == "rolled_back", status["rollout"]["history"][-2]["reason"]
     assert set(answers) == {200}, "a failed first attempt on the bad version was served by v1"

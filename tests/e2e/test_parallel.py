@@ -64,8 +64,12 @@ class Cluster:
 
         # On a GPU machine Ray finds the GPUs itself; the CPU tests keep to this machine's two cores.
         ray.init(include_dashboard=False, log_to_driver=False, **({} if gpus else {"num_cpus": 2}))
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        except BaseException:
+            self.close()
+            raise
         self.app = LiveApp(f"http://127.0.0.1:{port}")
 
     def serve(self, models: list[dict]) -> LiveApp:

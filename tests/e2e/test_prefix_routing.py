@@ -26,7 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from .live import LiveApp, free_port, wait_ready
+from tests.integration.local_app import local_app
+
+from .live import LiveApp, wait_ready
 
 MODEL = "smol"
 HEADER = "x-shunter-replica"
@@ -41,26 +43,16 @@ LONG_PREFIX = " ".join(
 
 @pytest.fixture(scope="module")
 def two_replicas(exclusive_machine) -> Iterator[tuple[LiveApp, Any]]:
-    import ray
     from ray import serve
 
-    from deployments.app import build_app
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"models": [{
         "name": MODEL, "source": "builtin:smollm2-135m-instruct", "replicas": 2, "cpu_cores_per_replica": 1,
         "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
     }]}
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    app = LiveApp(base_url=f"http://127.0.0.1:{port}")
-    wait_ready(app.base_url)
-    try:
+    with local_app(args, APP) as base:
+        app = LiveApp(base_url=base)
+        wait_ready(app.base_url)
         yield app, serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _ask(client: Any, system: str, question: str) -> str:

@@ -5,7 +5,10 @@
 - a model whose replicas are all full: a request waits at most `gateway.queue_timeout_s` for one, then
   gets 503 with Retry-After (never an unbounded wait);
 - a replica that dies mid-stream: the client sees the chunks already sent and then an explicit error
-  event, never a silently truncated stream; Ray Serve replaces the replica and the model serves again.
+  event, never a silently truncated stream; Ray Serve replaces the replica and the model serves again;
+- `gateway.limits`: a reply slower than `request_timeout_s` is a 504, a stream running past it or silent
+  for `stream_idle_timeout_s` ends with an error event naming which (the fake engine's `pace=` words make
+  a reply as slow as needed).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pytest
 from tests.integration.local_app import local_app
 
 QUEUE_TIMEOUT_S = 3.0
+REQUEST_TIMEOUT_S = 8.0
+STREAM_IDLE_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +35,9 @@ def fault_app() -> Iterator[str]:
             {"name": "flaky", "source": "fake:flaky", "accelerator": "cpu", "max_ongoing_requests": 1},
             {"name": "broken", "source": "fake:never-starts", "accelerator": "cpu"},
         ],
-        "gateway": {"queue_timeout_s": QUEUE_TIMEOUT_S},
+        "gateway": {"queue_timeout_s": QUEUE_TIMEOUT_S, "body_timeout_s": 5,
+                    "limits": {"request_timeout_s": REQUEST_TIMEOUT_S,
+                               "stream_idle_timeout_s": STREAM_IDLE_TIMEOUT_S}},
     }
     # Not blocking: the app as a whole never reaches RUNNING, since `broken` never starts.
     with local_app(args, "faults", blocking=False) as base:
@@ -68,13 +75,8 @@ def _deployment_status(name: str) -> str:
 
 
 def test_model_that_never_starts_gets_503_with_retry_after(fault_app):
-    # While Ray still retries the constructor, requests wait for a replica at most the queue timeout.
-    if _deployment_status("model-broken") != "DEPLOY_FAILED":
-        started = time.monotonic()
-        resp = _chat(fault_app, "broken", "hello")
-        assert time.monotonic() - started < QUEUE_TIMEOUT_S + 10, "must not wait without end"
-        assert resp.status_code == 503 and resp.headers["retry-after"]
-    # Once Ray has given up on it, the answer is immediate.
+    """Once Ray has given up on the model's replicas, its requests are answered at once. (While a replica
+    is still starting, a request waits at most a bounded time: tests/integration/test_admission.py.)"""
     _wait(lambda: _deployment_status("model-broken") == "DEPLOY_FAILED", 120, "broken never declared failed")
     started = time.monotonic()
     resp = _chat(fault_app, "broken", "hello")
@@ -84,7 +86,7 @@ def test_model_that_never_starts_gets_503_with_retry_after(fault_app):
 
 
 def test_full_replicas_give_503_after_the_queue_timeout(fault_app):
-    long_text = " ".join(f"w{i}" for i in range(200))  # about 10 s of streaming
+    long_text = " ".join(f"w{i}" for i in range(100))  # about 5 s of streaming
     with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
             "model": "flaky", "stream": True, "messages": [{"role": "user", "content": long_text}]}) as busy:
         lines = busy.iter_lines()
@@ -132,3 +134,38 @@ def test_model_serves_again_after_its_replica_died(fault_app):
             "model": "flaky", "stream": True, "messages": [{"role": "user", "content": "a b c d e"}]}) as resp:
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) == 6
+
+
+def _events(resp: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in resp.iter_lines()
+            if line.startswith("data: {")]
+
+
+def test_a_reply_slower_than_the_request_timeout_is_a_504(fault_app):
+    started = time.monotonic()
+    resp = _chat(fault_app, "flaky", "pace=1 " + " ".join(f"w{i}" for i in range(30)), timeout=60)
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["code"] == "request_timeout" and f"{REQUEST_TIMEOUT_S:g}s" in resp.text
+    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 10, "answered at the timeout, not at the reply's end"
+
+
+def test_a_stream_past_the_request_timeout_ends_with_an_error_event(fault_app):
+    with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
+            "model": "flaky", "stream": True, "messages": [
+                {"role": "user", "content": "pace=1 " + " ".join(f"w{i}" for i in range(30))}]}) as resp:
+        assert resp.status_code == 200
+        events = _events(resp)
+    words = [e for e in events if "choices" in e]
+    assert 3 <= len(words) < 30, "it streamed until the timeout, and no further"
+    assert events[-1]["error"]["code"] == "request_timeout", events[-1]
+
+
+def test_a_stream_silent_past_the_idle_timeout_ends_with_an_error_event(fault_app):
+    with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
+            "model": "flaky", "stream": True, "messages": [
+                {"role": "user", "content": f"pace={STREAM_IDLE_TIMEOUT_S * 2:g} one two three"}]}) as resp:
+        assert resp.status_code == 200
+        events = _events(resp)
+    assert events[-1]["error"]["code"] == "stream_idle_timeout", events
+    assert f"{STREAM_IDLE_TIMEOUT_S:g}s" in events[-1]["error"]["message"]
+    assert _chat(fault_app, "flaky", "still serving").status_code == 200

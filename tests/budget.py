@@ -1,0 +1,124 @@
+"""Time budgets for the suite: every test has a timeout, and every module and tier a share of the
+30 minutes `make test` may take on CI's 2-core machine.
+
+A hang fails its test at its timeout (pytest-timeout, signal method: the test fails, its fixtures are
+torn down, later modules still run). A module or tier that outgrows its share fails the session, with a
+table of where the time went, the day it happens, not the day CI runs out of time. Budgets count wall
+time of setup, call and teardown, so a module's shared app start is charged to it.
+
+Timings vary ~30% run to run on these machines; the shares leave that much room over what was measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+# Per-test timeout (seconds) by tier, unless the test sets its own with @pytest.mark.timeout.
+TEST_TIMEOUT_S = {"unit": 60, "integration": 420, "e2e": 600}
+
+# The whole suite's wall time must stay under CI_LIMIT_S; each tier has a share of it.
+CI_LIMIT_S = 30 * 60
+TIER_BUDGET_S = {"unit": 90, "integration": 600, "e2e": 1080}
+
+# Per module: the default share by tier, and modules that measurably need more (with why).
+MODULE_BUDGET_S = {"unit": 30, "integration": 150, "e2e": 150}
+MODULE_OVERRIDES_S = {
+    "tests/integration/test_rollouts.py": 300,  # six rollouts under load, one of them killed mid-way
+    "tests/integration/test_autoscaling.py": 120,
+    "tests/e2e/test_autoscaling.py": 240,  # a real engine scaled 1 -> 2 -> 1 and from zero
+    "tests/e2e/test_parallel.py": 240,  # TP=2 and PP=2 engines beside a one-rank one
+    "tests/e2e/test_rollouts.py": 240,  # a real second version started, promoted, then a bad one
+    "tests/e2e/test_prefix_routing.py": 180,
+    "tests/e2e/test_observability.py": 180,
+}
+
+_TIERS = ("unit", "integration", "e2e")
+
+
+def tier_of(path: str) -> str | None:
+    parts = Path(path).parts
+    return next((t for t in _TIERS if t in parts), None)
+
+
+def module_budget(module: str) -> float | None:
+    tier = tier_of(module)
+    if tier is None:
+        return None
+    return MODULE_OVERRIDES_S.get(module, MODULE_BUDGET_S[tier])
+
+
+class Budget:
+    def __init__(self) -> None:
+        self.modules: dict[str, float] = defaultdict(float)
+        self.started = time.monotonic()
+        self.whole_tiers: set[str] = set()  # tiers the session runs every test of (budgets apply to those)
+
+    # ---- hooks --------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        for item in items:
+            tier = tier_of(str(item.fspath))
+            if tier and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S[tier]))
+        # A budget says something only about a whole module or tier: not when -k or a node id picked a part.
+        if not config.getoption("keyword") and not config.getoption("markexpr") and \
+                all("::" not in str(arg) for arg in config.args):
+            self.whole_tiers = {tier_of(str(i.fspath)) for i in items} - {None}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.modules[report.nodeid.split("::")[0]] += report.duration
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+        over = self.overruns()
+        write = terminalreporter.write_line
+        terminalreporter.section("time per module (setup + call + teardown)")
+        tiers: dict[str, float] = defaultdict(float)
+        small = 0
+        for module, spent in sorted(self.modules.items(), key=lambda kv: -kv[1]):
+            tiers[tier_of(module) or "other"] += spent
+            budget = module_budget(module)
+            if spent < 5:
+                small += 1
+                continue
+            write(f"{spent:8.1f}s  {module}" + (f"  (budget {budget:g}s)" if budget else ""))
+        if small:
+            write(f"{small} more module(s) under 5s each")
+        write("  ".join(f"{tier}: {spent:.0f}s" for tier, spent in tiers.items())
+              + f"  wall: {time.monotonic() - self.started:.0f}s")
+        if over:
+            terminalreporter.section("TIME BUDGET EXCEEDED", red=True)
+            for line in over:
+                write(line, red=True)
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.overruns() and session.exitstatus == 0:
+            session.exitstatus = 1
+
+    # ---- the verdict --------------------------------------------------------------------------------
+
+    def overruns(self) -> list[str]:
+        lines = []
+        tiers: dict[str, float] = defaultdict(float)
+        for module, spent in self.modules.items():
+            tier = tier_of(module)
+            if tier not in self.whole_tiers:
+                continue
+            tiers[tier] += spent
+            budget = module_budget(module)
+            if budget is not None and spent > budget:
+                lines.append(f"{module}: {spent:.0f}s, over its {budget:g}s share (tests/budget.py)")
+        for tier, spent in tiers.items():
+            if spent > TIER_BUDGET_S[tier]:
+                lines.append(f"the {tier} tier: {spent:.0f}s, over its {TIER_BUDGET_S[tier]}s share of the "
+                             f"{CI_LIMIT_S // 60}-minute limit (tests/budget.py)")
+        return lines
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(Budget(), "shunter-budget")
