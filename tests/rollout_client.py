@@ -48,8 +48,11 @@ class Load:
                 self.results.append(result)
 
     def failures(self) -> list[dict[str, Any]]:
+        """Requests not answered whole; a load that sent nothing is itself a failure (so `not failures()`
+        never passes without traffic)."""
+        if not self.results:
+            return [{"status": None, "whole": False, "error": "the load sent no request"}]
         return [r for r in self.results if r["status"] != 200 or not r["whole"]]
-
 
     def start(self) -> list[threading.Thread]:
         threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(self.clients)]

@@ -12,6 +12,7 @@ Each app takes both cores of this machine, so they run one after another on a cl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,14 +120,20 @@ def _answers(app: LiveApp, model: str, stream: bool = False) -> list[str]:
     return answers
 
 
-def _engine_workers() -> list[str]:
-    """Process titles of vLLM's multiprocessing workers (one per rank) on this machine."""
-    titles = []
-    for proc in psutil.process_iter(["cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if line.startswith("VLLM::Worker_"):
-            titles.append(line)
-    return titles
+def _engine_workers(expected: int = 2, timeout_s: float = 30, prefix: str = "VLLM::Worker_") -> list[str]:
+    """Process titles of vLLM's multiprocessing workers (one per rank) on this machine, once `expected`
+    of them are seen (or whatever is seen after `timeout_s`: a process list read while processes come
+    and go can miss one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        titles = []
+        for proc in psutil.process_iter(["cmdline"]):
+            line = " ".join(proc.info["cmdline"] or [])
+            if line.startswith(prefix):
+                titles.append(line)
+        if len(titles) >= expected or time.monotonic() > deadline:
+            return titles
+        time.sleep(1)
 
 
 def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
@@ -134,7 +141,8 @@ def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
     assert all(reference["tiny"]), "the random model says something (greedy, 24 tokens)"
     app = live.serve([_model("tiny", tiny, 2, tp=2)])
     workers = _engine_workers()
-    assert len(workers) == 2 and any("TP1" in w for w in workers), f"two TP ranks run: {workers}"
+    assert len(workers) == 2 and any("TP1" in w for w in workers), f"two TP ranks run: {workers}; " \
+        f"vLLM processes: {_engine_workers(0, prefix='VLLM')}"
     assert _answers(app, "tiny") == reference["tiny"]
     assert _answers(app, "tiny", stream=True) == reference["tiny"], "streamed through the gateway too"
 

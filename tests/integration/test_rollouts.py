@@ -208,6 +208,9 @@ def test_a_rollout_is_paused_resumed_and_rolled_back_from_the_cli(app):
         assert again.status_code == 409 and again.json()["error"]["code"] == "rollout_refused", again.text
         split = httpx.put(f"{app}/admin/models/{MODEL}/weights", json={"weights": {serving: 100}}, timeout=30)
         assert split.status_code == 409, "weights are not set under a rollout in progress"
+        replica = httpx.get(f"{app}/admin/models/{MODEL}/replicas", timeout=30).json()["replicas"][0]["replica"]
+        drain = httpx.post(f"{app}/admin/models/{MODEL}/replicas/{replica}/drain", json={}, timeout=30)
+        assert drain.status_code == 409 and drain.json()["error"]["code"] == "rollout_in_progress", drain.text
         _shunter(app, "rollout", "pause", MODEL)
         assert _status(app)["rollout"]["paused_at"], "paused"
         _shunter(app, "rollout", "resume", MODEL)
@@ -220,3 +223,26 @@ def test_a_rollout_is_paused_resumed_and_rolled_back_from_the_cli(app):
         if _status(app)["rollout"]["phase"] != "done":
             httpx.post(f"{app}/admin/rollouts/{MODEL}/rollback", timeout=30)
             wait_done(app, MODEL)
+
+
+def test_the_last_routable_replica_drains_only_with_force_and_is_replaced_while_serving(app):
+    serving = _status(app)["live"][0]
+    listed = httpx.get(f"{app}/admin/models/{MODEL}/replicas", timeout=30).json()["replicas"]
+    (replica,) = [r["replica"] for r in listed if r["version"] == serving]
+    refused = httpx.post(f"{app}/admin/models/{MODEL}/replicas/{replica}/drain", json={}, timeout=30)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "last_replica", refused.text
+    forced = httpx.post(f"{app}/admin/models/{MODEL}/replicas/{replica}/drain", json={"force": True}, timeout=30)
+    assert forced.status_code == 202 and forced.json()["replace"] is True, forced.text
+    deadline, statuses = time.monotonic() + 120, []
+    while True:  # the cordoned replica serves until Ray Serve has replaced it: nothing is refused
+        resp = httpx.post(f"{app}/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "still there"}]})
+        statuses.append(resp.status_code)
+        now = [r["replica"] for r in httpx.get(f"{app}/admin/models/{MODEL}/replicas", timeout=30).json()["replicas"]
+               if r["version"] == serving]
+        if now and replica not in now:
+            break
+        assert time.monotonic() < deadline, f"{replica} was never replaced: {now}"
+        time.sleep(0.5)
+    assert set(statuses) == {200}, statuses
+    _wait_ready(app)
