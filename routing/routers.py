@@ -144,7 +144,7 @@ class ShunterGuard:
         end it: Ray registers that callback before the replica accepts the call and reports the routing
         only after, so a short call (a stats probe, a whole 8-token stream) can complete first, and a count
         taken then would stay for good. A callback added now runs after the count, at once if the call
-        already ended. (The gateway also ends its requests itself: RoutingState.finished.)"""
+        already ended. (The gateway also ends its requests itself: DeploymentRouting.finished.)"""
         state = self._shunter
         state.dispatched(replica, request_id, prefill_tokens)
         add_done_callback = getattr(result, "add_done_callback", None)
