@@ -9,7 +9,8 @@ Builtin models ship inside PyPI wheels (no hub access is needed, or possible, on
   dir, used in place.
 
 Preparation runs once per cache dir, under a file lock, so replicas that start together never convert
-twice and a crash mid-way never leaves a half-written dir behind (it is built in a temp dir, then renamed).
+twice and a crash mid-way never leaves a half-written dir behind (it is built in a temp dir, then renamed;
+the next preparer removes a killed one's temp dir).
 Any other source (a local dir, a hub id) is passed to the engine as given.
 
 A model declared with `versions:` has no `source` of its own: each version has one, so whatever prepares
@@ -154,6 +155,9 @@ def _prepare_gguf(model: BuiltinModel, gguf_path: Path, cache_dir: Path, progres
     with FileLock(str(cache_dir / f".{model.key}.lock")):
         if done_marker.exists():  # another process finished while we waited for the lock
             return out_dir
+        # Holding the lock, no other preparer of this model is alive: temp dirs left are a killed one's.
+        for stale in cache_dir.glob(f".{model.key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         log.info("preparing builtin:%s from %s into %s", model.key, gguf_path, out_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.key}-", dir=cache_dir))
         try:

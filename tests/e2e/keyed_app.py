@@ -7,6 +7,10 @@ file (not a Serve runtime_env: Ray's runtime-env agent writes its env_vars to it
 tight (8 generated tokens, n <= 2, 200 prompt tokens) so requests that pass every check finish fast on 2
 CPU cores; the gateway takes few requests at once and few slow uploads, so the slow-upload test needs
 hundreds of connections, not thousands.
+
+It runs two gateway replicas, as a production app would: each holds its share of every key's quota
+and of each model's admission bound, and every test here runs against both (Ray's proxy spreads
+requests over them), so anything one gateway keeps to itself shows.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNT
        "SHUNTER_TEST_KEY_PACED": PACED}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 BUDGET_TOKENS_PER_MINUTE = 1000
-PACED_REQUESTS_PER_MINUTE = 3
-GATEWAY_SLOTS, UPLOAD_SLOTS = 96, 8
+PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
+GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 
 
@@ -42,7 +46,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
             {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
              "engine": {**engine, "max_model_len": 256}},
         ],
-        "gateway": {"max_ongoing_requests": GATEWAY_SLOTS, "max_body_reads": UPLOAD_SLOTS, "body_timeout_s": 10,
+        "gateway": {"replicas": GATEWAYS, "max_ongoing_requests": GATEWAY_SLOTS, "max_body_reads": UPLOAD_SLOTS, "body_timeout_s": 10,
                     "queue_timeout_s": 30,
                     "limits": {"max_tokens": MAX_TOKENS, "max_n": MAX_N, "max_messages": 32,
                                "max_prompt_tokens": MAX_PROMPT_TOKENS, "request_timeout_s": 60,

@@ -103,6 +103,20 @@ def ray_session_logs(folder: str, pattern: str) -> list[Path]:
     return sorted((Path(session) / "logs" / folder).glob(pattern))
 
 
+def gateways_that_served(app: str, request_ids: list[str], timeout_s: float = 30) -> dict[str, str]:
+    """Which gateway replica answered each request (by its X-Request-ID, which Ray Serve logs as the
+    request id), from the gateway replicas' logs: request id -> log file name."""
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:  # a replica's log handler writes a moment after the response
+        for path in ray_session_logs("serve", f"replica_{app}_gateway_*.log"):
+            text = path.read_text(errors="replace")
+            found.update({rid: path.name for rid in request_ids if rid in text})
+        if len(found) == len(request_ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
 @dataclass
 class LiveApp:
     base_url: str

@@ -29,8 +29,10 @@ from shunter.auth import key_id
 
 from .keyed_app import (
     ADMIN,
+    APP,
     CHAT_ONLY,
     FULL,
+    GATEWAYS,
     MAX_N,
     MAX_PROMPT_TOKENS,
     MAX_TOKENS,
@@ -142,14 +144,25 @@ def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served(app):
     assert "x-ratelimit-limit-tokens" not in other.headers  # the full key has no quota
 
 
-def test_a_key_over_its_requests_per_minute_gets_429_until_its_window_refills(app):
-    statuses = [chat(app, PACED, max_tokens=1).status_code for _ in range(PACED_REQUESTS_PER_MINUTE)]
-    assert statuses == [200] * PACED_REQUESTS_PER_MINUTE
-    refused = chat(app, PACED, max_tokens=1)
-    assert refused.status_code == 429, refused.text
-    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and "requests" in refused.json()["error"]["message"]
-    assert int(refused.headers["retry-after"]) >= 1
-    assert refused.headers["x-ratelimit-limit-requests"] == str(PACED_REQUESTS_PER_MINUTE)
+def test_a_key_over_its_requests_per_minute_gets_429_from_each_gateway_past_its_share(app):
+    """Each of the GATEWAYS replicas holds its share of the key's rate (2 of 4 a minute): whichever
+    gateway a request reaches, that gateway's first two are served and the rest refused, so together
+    they never let through more than the key's limit."""
+    from .live import gateways_that_served
+
+    ids = [f"paced-{uuid.uuid4().hex}" for _ in range(12)]
+    answers = {rid: chat(app, PACED, max_tokens=1, headers={"X-Request-ID": rid}) for rid in ids}
+    gateway_of = gateways_that_served(APP, ids)
+    assert set(gateway_of) == set(ids) and len(set(gateway_of.values())) == GATEWAYS, gateway_of
+    share = PACED_REQUESTS_PER_MINUTE // GATEWAYS
+    for gateway in set(gateway_of.values()):
+        statuses = [answers[rid].status_code for rid in ids if gateway_of[rid] == gateway]
+        assert statuses == ([200] * share + [429] * len(statuses))[:len(statuses)], (gateway, statuses)
+    for refused in (a for a in answers.values() if a.status_code == 429):
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "requests" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.headers["x-ratelimit-limit-requests"] == str(PACED_REQUESTS_PER_MINUTE)
     assert chat(app, FULL, max_tokens=1).status_code == 200, "another key is not held by this one's limit"
 
 

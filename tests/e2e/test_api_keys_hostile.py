@@ -3,7 +3,8 @@
 Every promise the door makes is tried the way an attacker would: numbers sent as strings and floats,
 prompts hidden in content parts, tool definitions and batches, streams hung up before their usage
 chunk, NaN and Infinity in every admin body, bodies that are not JSON by content type, hundreds of slow
-uploads, and what an unauthenticated probe may learn. A 200 that exceeds a limit or a quota is a
+uploads, and what an unauthenticated probe may learn. With two gateways, a cordon set through one is seen
+by both. A 200 that exceeds a limit or a quota is a
 failure here as much as a 500.
 """
 
@@ -13,6 +14,7 @@ import json
 import math
 import socket
 import time
+import uuid
 from typing import Any
 from urllib.parse import urlparse
 
@@ -21,11 +23,13 @@ import pytest
 
 from .keyed_app import (
     ADMIN,
+    APP,
     BUDGET,
     BUDGET_TOKENS_PER_MINUTE,
     CHAT_ONLY,
     FULL,
     GATEWAY_SLOTS,
+    GATEWAYS,
     MAX_N,
     MAX_PROMPT_TOKENS,
     MAX_TOKENS,
@@ -150,8 +154,9 @@ def test_streams_cut_before_their_usage_chunk_are_charged_what_they_produced(app
         served += 1
     assert statuses[-1] == 429, f"{served} streams hung up early, and the key was never stopped"
     refilled = BUDGET_TOKENS_PER_MINUTE / 60 * (time.monotonic() - began)
-    # Honoured within one request's worth: the streams it got cost what the budget held.
-    assert served * cost <= BUDGET_TOKENS_PER_MINUTE + refilled + cost + MAX_TOKENS, (served, cost, refilled)
+    # Honoured within one request's worth per gateway: the streams it got cost what the budget held.
+    assert served * cost <= BUDGET_TOKENS_PER_MINUTE + refilled + GATEWAYS * (cost + MAX_TOKENS), (served, cost,
+                                                                                                  refilled)
 
 
 # ---- 4. non-finite numbers never get in ----------------------------------------------------------------------
@@ -222,7 +227,7 @@ def test_bodies_not_sent_as_json_get_415_on_v1_and_admin(app, content_type):
 # ---- 6. slow uploads --------------------------------------------------------------------------------------------
 
 def test_many_slow_uploads_do_not_stop_a_normal_request(app):
-    """More connections than the gateway takes at once, each sending a chat request's headers and then
+    """More connections than the gateways take at once, each sending a chat request's headers and then
     one byte of its 100000-byte body: a normal request is still served, and the slow ones are refused
     (408 or 503), not held."""
     url = urlparse(app)
@@ -230,7 +235,7 @@ def test_many_slow_uploads_do_not_stop_a_normal_request(app):
             "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{").encode()
     slow = []
     try:
-        for _ in range(2 * GATEWAY_SLOTS):
+        for _ in range(2 * GATEWAYS * GATEWAY_SLOTS):
             sock = socket.create_connection((url.hostname, url.port), timeout=TIMEOUT_S)
             sock.sendall(head)
             slow.append(sock)
@@ -290,6 +295,53 @@ def test_requests_sharing_a_client_request_id_leave_no_load_behind(app):
             break
         time.sleep(0.5)
     assert listed and all(r["in_flight_here"] == 0 for r in listed), listed
+
+
+# ---- 11. several gateways, one set of cordons ------------------------------------------------------------
+
+def _listings(app: str, count: int) -> dict[str, bool]:
+    """`count` replica listings of the embedding model, through whichever gateway Ray's proxy picks:
+    gateway log file -> whether its replica was cordoned there."""
+    from .live import gateways_that_served
+
+    seen: dict[str, bool] = {}
+    answers = {}
+    for _ in range(count):
+        rid = f"listing-{uuid.uuid4().hex}"
+        resp = httpx.get(f"{app}/admin/models/{EMBED_MODEL}/replicas", timeout=TIMEOUT_S,
+                         headers={"Authorization": f"Bearer {ADMIN}", "X-Request-ID": rid})
+        assert resp.status_code == 200, resp.text
+        (replica,) = resp.json()["replicas"]
+        answers[rid] = replica["cordoned"]
+    for rid, gateway in gateways_that_served(APP, list(answers)).items():
+        assert seen.setdefault(gateway, answers[rid]) == answers[rid], "one gateway answered both ways"
+    return seen
+
+
+def test_a_cordon_is_seen_by_every_gateway_and_so_is_its_release(app):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    listed = httpx.get(f"{app}/admin/models/{EMBED_MODEL}/replicas", headers=admin, timeout=TIMEOUT_S).json()
+    (replica,) = [r["replica"] for r in listed["replicas"]]
+    drain = f"/admin/models/{EMBED_MODEL}/replicas/{replica}/drain"
+    resp = post(app, drain, {"replace": False, "force": True}, key=ADMIN)
+    assert resp.status_code == 202, resp.text
+    try:
+        assert _listings(app, 12) == {g: True for g in _gateway_names()}
+        # The only replica, cordoned, still serves: nothing is refused for a drain.
+        served = post(app, "/v1/embeddings", {"model": EMBED_MODEL, "input": "still here"})
+        assert served.status_code == 200, served.text
+    finally:
+        released = httpx.delete(f"{app}{drain}", headers=admin, timeout=TIMEOUT_S)
+    assert released.status_code == 200 and released.json()["cordoned"] is False, released.text
+    assert _listings(app, 12) == {g: False for g in _gateway_names()}
+
+
+def _gateway_names() -> set[str]:
+    from .live import ray_session_logs
+
+    names = {p.name for p in ray_session_logs("serve", f"replica_{APP}_gateway_*.log")}
+    assert len(names) == GATEWAYS, names
+    return names
 
 
 def test_finite_floats_in_sampling_parameters_still_work(app):

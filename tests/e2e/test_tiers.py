@@ -6,12 +6,18 @@ request of both tiers here (sample_ratio 1): greedy answers of the same weights 
 moves, and a client sampling wildly (temperature 2, one token) cannot make them disagree, because the
 monitor asks the question itself, greedily. (A real promotion needs two tiers that answer differently:
 both tiers here are SmolLM2; the promotion itself is unit-tested in tests/unit/test_tiers.py.)
+
+The monitor never adds to an overload: while the top tier is at its admission bound, samples are
+skipped (and taken again once it has room). The two other routing policies serve here too: the large
+tier through Ray's own `PrefixCacheAffinityRouter` (policy `custom`), MiniLM through `power_of_two`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -29,12 +35,21 @@ APP = "tiers-e2e"
 SIMPLE = CAPITAL_QUESTION
 CODE = "Write a Python function that reverses a string."
 MATH = "Solve for x: 3x + 7 = 22"
+RAY_PREFIX_ROUTER = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+# The top tier's admission bound (replicas x max_ongoing_requests + max_queued_requests): small enough
+# to fill with a few streams, above the monitor comparisons a burst of sampled requests runs at once.
+LARGE_ONGOING, LARGE_QUEUED = 4, 4
 
 
 def _args() -> dict[str, Any]:
     (app,) = yaml.safe_load((ROOT / "configs" / "tiers.yaml").read_text())["applications"]
     args = app["args"]
     args["tiers"]["monitor"].update(sample_ratio=1.0, min_samples=3, agreement_threshold=0.9)
+    models = {m["name"]: m for m in args["models"]}
+    models["smollm2-large"].update(max_ongoing_requests=LARGE_ONGOING,
+                                   admission={"max_queued_requests": LARGE_QUEUED},
+                                   routing={"policy": "custom", "router_class": RAY_PREFIX_ROUTER})
+    models["all-minilm-l6-v2"]["routing"] = {"policy": "power_of_two"}
     return args
 
 
@@ -138,3 +153,51 @@ def test_tier_metrics_count_requests_cost_and_promotions(app):
                               ("ray_shunter_tier_cost_total", {"basis": "routed"})], at_least=1e-9)
     routed = metric_total(text, "ray_shunter_tier_cost_total", basis="routed")
     assert 0 < routed < metric_total(text, "ray_shunter_tier_cost_total", basis="top_tier")  # small tier was cheaper
+    # Every policy placed requests: the default on the small tier, Ray's router on the large one, and
+    # power of two choices for the embeddings the monitor compares.
+    scrape_until(url, [("ray_shunter_routing_decisions_total", {"model": "smollm2-small", "policy": "prefix_aware"}),
+                       ("ray_shunter_routing_decisions_total", {"model": "smollm2-large", "policy": "custom"}),
+                       ("ray_shunter_routing_decisions_total", {"model": "all-minilm-l6-v2",
+                                                                "policy": "power_of_two"})])
+
+
+def _samples(base: str) -> int:
+    return tiers(base)["monitor"]["windows"].get("simple@0", {}).get("samples", 0)
+
+
+def test_the_monitor_skips_samples_while_the_top_tier_is_full(app):
+    hang_up = threading.Event()
+    body = {"model": "smollm2-large", "messages": [{"role": "user", "content": "Count to one thousand."}],
+            "max_tokens": 1500, "stream": True}
+
+    def hold(_: int) -> int:
+        with httpx.stream("POST", f"{app}/v1/chat/completions", json=body, timeout=120) as resp:
+            if resp.status_code == 200:
+                hang_up.wait(120)  # unread, the stream stays admitted until we hang up
+            return resp.status_code
+
+    before = _samples(app)
+    with ThreadPoolExecutor(LARGE_ONGOING + LARGE_QUEUED) as pool:
+        held = [pool.submit(hold, i) for i in range(LARGE_ONGOING + LARGE_QUEUED)]
+        try:
+            time.sleep(3)  # let the streams arrive: a probe admitted before them would wait behind them
+            deadline, full = time.monotonic() + 90, None
+            while time.monotonic() < deadline:  # full: the next request to the top tier is turned away
+                probe = httpx.post(f"{app}/v1/chat/completions", timeout=60, json={**body, "stream": False,
+                                                                                   "max_tokens": 1})
+                if probe.status_code == 429:
+                    full = probe
+                    break
+                time.sleep(0.5)
+            assert full is not None and full.json()["error"]["code"] == "queue_full", "the top tier never filled"
+            for _ in range(2):
+                tier, _, answer = ask(app, SIMPLE)
+                assert tier == "small" and answer  # the client is served by its tier all the same
+            time.sleep(5)  # a comparison takes about a second here (see the positive control below)
+            assert _samples(app) == before, "the monitor asked the full top tier"
+        finally:
+            hang_up.set()
+        assert {f.result(timeout=120) for f in held} <= {200, 429}
+    ask(app, SIMPLE)  # room again: this one is compared
+    assert wait_for(app, lambda s: s["monitor"]["windows"].get("simple@0", {}).get("samples", 0) > before,
+                    timeout_s=60)["monitor"]["windows"]["simple@0"]["samples"] > before

@@ -102,9 +102,13 @@ class FaultInjectingEngine:
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "finish_reason": "stop"}]})
-        return EngineReply(200, stream=self._stream(text, 10 if slow else 1))
+        usage = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        return EngineReply(200, stream=self._stream(text, 10 if slow else 1, usage))
 
-    async def _stream(self, text: str, slower: float = 1) -> AsyncIterator[str]:
+    async def _stream(self, text: str, slower: float = 1, usage: bool = False) -> AsyncIterator[str]:
+        """One word per chunk; with `usage`, each chunk carries the running usage as vLLM's
+        `continuous_usage_stats` does (a prompt token per word of the last message)."""
+        prompt = len(text.split())
         self.unfinished += 1  # like an engine's running requests: the autoscaler's signal
         try:
             for i, word in enumerate(text.split()):
@@ -114,8 +118,12 @@ class FaultInjectingEngine:
                     error = error_body("fault injection: EngineCore encountered an issue", 500)
                     yield f"data: {json.dumps(error)}\n\n"
                     break
-                chunk = {"object": "chat.completion.chunk", "model": self.spec.served_name,
-                         "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
+                chunk: dict[str, Any] = {
+                    "object": "chat.completion.chunk", "model": self.spec.served_name,
+                    "choices": [{"index": 0, "delta": {"content": word + " "}, "finish_reason": None}]}
+                if usage:
+                    chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": i + 1,
+                                      "total_tokens": prompt + i + 1}
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep((_pace(text) or 0.05) * slower)
             yield "data: [DONE]\n\n"

@@ -4,7 +4,8 @@ made as long as a test needs).
 - A config update takes the model from 2 replicas to 1 while streams run on both. A replica that leaves
   finishes its streams that end within the drain timeout; one still running at the timeout is ended
   with a `replica_drain_timeout` error event, never cut silently; streams on the replica that stays
-  are untouched. The drains are exported as metrics.
+  are untouched. The drains are exported as metrics. Each long stream runs on a key of its own: the one
+  the drain cut is charged what it produced, as the settlement records it, no more and no less.
 - Deleting the whole application drains it too: a stream in flight finishes whole.
 """
 
@@ -21,12 +22,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.live import free_port, scrape_until
+from shunter.auth import new_key
+from tests.e2e.live import free_port, metric_total, scrape_until
 from tests.integration.local_app import FACTORY, local_app
 
 APP = "draining"
 DRAIN_S = 6
 HEADER = "x-shunter-replica"
+KEYS = {name: new_key() for name in ("long-0", "long-1", "other")}
+
+
+def _key_env(name: str) -> str:
+    return "DRAINING_KEY_" + name.upper().replace("-", "_")
 
 
 def _args(replicas: int) -> dict[str, Any]:
@@ -34,13 +41,22 @@ def _args(replicas: int) -> dict[str, Any]:
         "name": "duo", "source": "fake:flaky", "accelerator": "cpu", "replicas": replicas,
         "cpu_cores_per_replica": 1, "routing": {"policy": "least_connections"},
         "draining": {"timeout_s": DRAIN_S},
-    }]}
+    }], "auth": {"keys": [{"name": name, "key_env": _key_env(name), "tokens_per_minute": 10 ** 6} for name in KEYS]}}
+
+
+def _auth(key: str = KEYS["other"]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 @dataclass
 class Outcome:
     replica: str
     events: list[str]
+    prompt_words: int
+
+    @property
+    def words(self) -> int:
+        return sum(1 for e in self.events if '"choices":[{' in e.replace(" ", ""))
 
     @property
     def complete(self) -> bool:
@@ -53,27 +69,28 @@ class Outcome:
         return json.loads(self.events[-1].removeprefix("data: ")).get("error", {}).get("code")
 
 
-def _stream(base: str, seconds: float) -> Outcome:
+def _stream(base: str, seconds: float, key: str = KEYS["other"]) -> Outcome:
     words = int(seconds / 0.25)
-    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, json={
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, headers=_auth(key), json={
             "model": "duo", "stream": True,
             "messages": [{"role": "user", "content": "pace=0.25 " + "w " * words}]}) as resp:
         assert resp.status_code == 200
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    return Outcome(resp.headers[HEADER], events)
+    return Outcome(resp.headers[HEADER], events, words + 1)
 
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[str, str]]:
     metrics_port = free_port()
-    with local_app(_args(2), APP, metrics_port=metrics_port) as base:
+    env = {_key_env(name): key for name, key in KEYS.items()}
+    with local_app(_args(2), APP, env=env, metrics_port=metrics_port) as base:
         yield base, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
 def _replicas_serving(base: str, requests: int = 8) -> set[str]:
     seen = set()
     for _ in range(requests):
-        resp = httpx.post(f"{base}/v1/chat/completions", timeout=30,
+        resp = httpx.post(f"{base}/v1/chat/completions", timeout=30, headers=_auth(),
                           json={"model": "duo", "messages": [{"role": "user", "content": "who is there"}]})
         assert resp.status_code == 200, resp.text
         seen.add(resp.headers[HEADER])
@@ -92,8 +109,8 @@ def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_tim
     with ThreadPoolExecutor(4) as pool:
         longs: list[Future[Outcome]] = []
         shorts: list[Future[Outcome]] = []
-        for _ in range(2):  # one long and one short stream on each replica (least connections)
-            longs.append(pool.submit(_stream, base, 40))
+        for i in range(2):  # one long and one short stream on each replica (least connections)
+            longs.append(pool.submit(_stream, base, 40, KEYS[f"long-{i}"]))
             time.sleep(0.5)
         for _ in range(2):
             shorts.append(pool.submit(_stream, base, 4))
@@ -115,6 +132,14 @@ def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_tim
             assert outcome.complete, outcome.events[-1:]
     scrape_until(metrics_url, [("ray_shunter_drain_aborted_total", {"model": "duo"}),
                                ("ray_shunter_drain_seconds_count", {"model": "duo"})])
+    cut = [(i, o) for i, o in enumerate(long_outcomes) if o.replica in left]
+    assert cut and all(0 < o.words < o.prompt_words - 1 for _, o in cut), "the drain cut the stream mid-way"
+    for i, outcome in cut:  # its key is charged what the stream produced, no more, no less
+        wanted = [("ray_shunter_key_tokens_total", {"key_name": f"long-{i}", "kind": "completion"})]
+        text = scrape_until(metrics_url, wanted)
+        assert metric_total(text, "ray_shunter_key_tokens_total", key_name=f"long-{i}", kind="prompt") == \
+            outcome.prompt_words
+        assert metric_total(text, *wanted[0][:1], **wanted[0][1]) == outcome.words
 
 
 def test_deleting_the_application_lets_a_stream_in_flight_finish(app):
