@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
 CHECKOV := $(VENV)/tools/checkov/bin/checkov
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test test-unit test-integration test-e2e bench demo lint dashboards check-config plan render-kuberay clean
+.PHONY: help install models serve test test-unit test-integration test-e2e fuzz bench demo lint dashboards check-config plan render-kuberay clean
 
 help: ## List the commands
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -55,6 +55,9 @@ test-integration: install ## Integration tests only (real local Ray)
 
 test-e2e: models ## End-to-end tests only (real engines)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+fuzz: models ## The deep fuzz profile: ten times the cases of make test, a fresh seed each run (keys app, ~5 min)
+	SHUNTER_FUZZ=deep $(BIN)/python -m pytest tests/e2e/test_api_keys_and_fuzzing.py -k "schemathesis or hypothesis or after_fuzzing" -s $(PYTEST_ARGS)
 
 bench: models ## The standard benchmark suite (reports, never asserts): results/ and docs/benchmarks.md
 	$(BIN)/shunter bench suite --config $(CONFIG)

@@ -37,6 +37,7 @@ MODULE_OVERRIDES_S = {
     "tests/e2e/test_rollouts.py": 240,  # a real second version started, promoted, then a bad one
     "tests/e2e/test_prefix_routing.py": 180,
     "tests/e2e/test_observability.py": 180,
+    "tests/e2e/test_tiers.py": 180,  # three engines; the top tier filled stream by stream
 }
 
 _TIERS = ("unit", "integration", "e2e")

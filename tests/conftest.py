@@ -1,7 +1,9 @@
 """Marks each test by its folder (unit / integration / e2e) so `-m` selections work, and orders tiers.
 
 Tests marked `gpu` (optionally `gpu(devices=N)`) are skipped, with the reason, where torch sees fewer
-CUDA devices. Order: unit, integration, e2e, then tests that start a Ray cluster of their own. Integration and e2e
+CUDA devices. Order: unit, integration, e2e; within a tier, tests on the shared app first, then
+`own_app` tests (an app of their own on the kept cluster), then `own_cluster` tests (a Ray cluster of
+their own). Integration and e2e
 tests each bring up a Ray cluster in this process; running tier by tier lets each tier stop its
 cluster before the next one starts, so their engines never compete for the same cores.
 """
@@ -42,4 +44,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = _tier(item)
         if tier < len(_TIERS):
             item.add_marker(getattr(pytest.mark, _TIERS[tier]))
-    items.sort(key=lambda item: (_tier(item), item.get_closest_marker("own_cluster") is not None))
+    items.sort(key=lambda item: (_tier(item), 2 if item.get_closest_marker("own_cluster") else
+                                 1 if item.get_closest_marker("own_app") else 0))

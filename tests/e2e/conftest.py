@@ -1,78 +1,71 @@
 """The real thing: Ray Serve + vLLM CPU engines + builtin models, driven over HTTP.
 
-One app (the shipped configs/local.yaml, on a free port) is shared by every e2e test of the session:
-an app with two engines takes about a minute to come up on 2 cores. Tests marked `own_cluster` start
-a Ray cluster of their own; they run last, after the shared app has been stopped, because two apps'
-engines would not both find free cores on a 2-core machine.
+One Ray cluster serves the e2e apps one after another (tests/integration/local_app.py, `keep_cluster`):
+first the shipped configs/local.yaml (`live_app`, shared by every test that needs no app of its own;
+an app with two engines takes about a minute to come up on 2 cores), then each `own_app` module's
+app, swapped in with `serve.run` after the previous one is deleted. Tests marked `own_cluster` start
+a Ray cluster of their own (a simulated multi-node one, `ray start` in a shell, a fresh metrics
+agent); they run last, after the kept cluster has been stopped, because two clusters' engines would
+not both find free cores on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
 
-from .live import APP_NAME, LiveApp, free_port, local_app_args, wait_ready
+from tests.integration.local_app import local_app, stop_kept_cluster
 
-_shared: dict[str, LiveApp] = {}
+from . import keyed_app
+from .live import APP_NAME, LiveApp, local_app_args, wait_ready
+
+# The keyed app's keys reach its gateway as a real deployment gives them: in the environment of the
+# processes Ray starts. Ray's processes inherit the environment of the cluster's start, so they are
+# set before the first app starts the kept cluster (they are random, and no other app reads them).
+os.environ.update(keyed_app.ENV)
+
+_live = ExitStack()  # the shared app while it runs
 _keyed = ExitStack()  # the keyed app (tests/e2e/keyed_app.py) while it runs
+_live_app: list[LiveApp] = []
 
 
-def _stop_shared_app() -> None:
-    if not _shared:
-        return
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-    _shared.clear()
+def _stop_live_app() -> None:
+    _live_app.clear()
+    _live.close()
 
 
 @pytest.fixture(scope="session")
 def live_app() -> Iterator[LiveApp]:
-    """configs/local.yaml served by a real local Ray cluster in this process."""
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    if APP_NAME not in _shared:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(local_app_args()), name=APP_NAME, route_prefix="/")
-            app = LiveApp(base_url=f"http://127.0.0.1:{port}")
-            wait_ready(app.base_url)
-        except BaseException:  # a failed start must not leave Ray holding the cores for later modules
-            serve.shutdown()
-            ray.shutdown()
-            raise
-        _shared[APP_NAME] = app
-    yield _shared[APP_NAME]
-    _stop_shared_app()
+    """configs/local.yaml served on the kept Ray cluster in this process."""
+    if not _live_app:
+        base = _live.enter_context(local_app(local_app_args(), APP_NAME, keep_cluster=True))
+        wait_ready(base)
+        _live_app.append(LiveApp(base_url=base))
+    yield _live_app[0]
+    _stop_live_app()
 
 
 @pytest.fixture(scope="session")
 def exclusive_machine() -> None:
-    """For tests that start their own cluster: the shared app must not hold the cores."""
-    _stop_shared_app()
-
+    """For tests that start their own cluster: no app, and no kept cluster, may hold the cores."""
+    _stop_live_app()
+    _keyed.close()
+    stop_kept_cluster()
 
 
 @pytest.fixture(scope="session")
-def keyed_app(exclusive_machine, tmp_path_factory) -> Iterator[str]:
+def keyed_app_url(tmp_path_factory) -> Iterator[str]:
     """The app with keys, quotas and limits (tests/e2e/keyed_app.py), shared by the modules that use it.
-    They sort next to each other (own_cluster, by file name); the hook below stops it after the last."""
-    from .keyed_app import keyed_app as start
-
-    yield _keyed.enter_context(start(tmp_path_factory.mktemp("secrets")))
+    They sort next to each other (by file name); the hook below stops it after the last."""
+    _stop_live_app()
+    yield _keyed.enter_context(keyed_app.keyed_app(tmp_path_factory.mktemp("secrets")))
     _keyed.close()
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if "keyed_app" in getattr(item, "fixturenames", ()) and (
-            nextitem is None or "keyed_app" not in getattr(nextitem, "fixturenames", ())):
-        _keyed.close()  # the next test may start a cluster of its own
+    if "keyed_app_url" in getattr(item, "fixturenames", ()) and (
+            nextitem is None or "keyed_app_url" not in getattr(nextitem, "fixturenames", ())):
+        _keyed.close()  # the next test deploys an app of its own

@@ -68,13 +68,11 @@ def args(admin_key_file: Path) -> dict[str, Any]:
 def keyed_app(secrets: Path) -> Iterator[str]:
     key_file = secrets / "admin-key"
     key_file.write_text(ADMIN + "\n")
-    # In the environment of the processes Ray starts (as `ray start` in a shell, or a pod's env from a
-    # Secret, gives them), not in a runtime_env.
-    os.environ.update(ENV)
-    try:
-        with local_app(args(key_file), APP) as base:
-            wait_ready(base)
-            yield base
-    finally:
-        for name in ENV:
-            os.environ.pop(name, None)
+    # ENV is in the environment of the processes Ray starts (as `ray start` in a shell, or a pod's env
+    # from a Secret, gives them), not in a runtime_env: tests/e2e/conftest.py sets it before the kept
+    # cluster starts.
+    missing = [name for name, value in ENV.items() if os.environ.get(name) != value]
+    assert not missing, f"set before the cluster starts (tests/e2e/conftest.py): {missing}"
+    with local_app(args(key_file), APP, keep_cluster=True) as base:
+        wait_ready(base)
+        yield base

@@ -8,11 +8,15 @@ Fuzzing: schemathesis generates requests from the gateway's own OpenAPI schema (
 valid and invalid, streaming among them), and hypothesis generates arbitrary JSON and bytes as bodies.
 Every answer must be a non-5xx within its timeout (no hang), and the app must still answer a normal
 request afterwards. Case counts are printed at the end (`-s`).
+
+Two profiles: `make test` runs the fast one (derandomized: the same cases every run, a few dozen per
+operation); `make fuzz` sets SHUNTER_FUZZ=deep, ten times as many cases, with a fresh seed each run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections import Counter
@@ -42,16 +46,18 @@ from .keyed_app import (
 )
 from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 
 PROMPT_MARKER = "zebra-quartz-prompt-marker"
+DEEP = os.environ.get("SHUNTER_FUZZ") == "deep"
+SCALE = 10 if DEEP else 1  # cases per operation, relative to the fast profile
 CASES: Counter[str] = Counter()  # cases sent, by source and operation
 ANSWERS: Counter[str] = Counter()  # answers, by status class (and streams among the 200s)
 
 
 @pytest.fixture(scope="module")
-def app(keyed_app) -> str:
-    return keyed_app
+def app(keyed_app_url) -> str:
+    return keyed_app_url
 
 
 def client(base: str, key: str) -> openai.OpenAI:
@@ -240,7 +246,7 @@ def _schema(base: str) -> Any:
     schema.config.update(base_url=base)
     schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE,
                                            schemathesis.GenerationMode.NEGATIVE],
-                                    max_examples=25, database="none")
+                                    max_examples=25 * SCALE, database="none")
     return schema
 
 
@@ -257,14 +263,14 @@ def _fuzz(operation: Any, failures: list[str]) -> Any:
 
     name = f"{operation.method.upper()} {operation.path}"
 
-    examples = 80 if operation.path.startswith("/v1/") and operation.method.upper() == "POST" else 20
+    examples = SCALE * (60 if operation.path.startswith("/v1/") and operation.method.upper() == "POST" else 15)
 
     strategies = [operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)]
     if operation.path in ("/v1/chat/completions", "/v1/completions"):
         strategies.append(operation.as_strategy(GenerationMode.POSITIVE).map(_streamed))
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              derandomize=True)
+              derandomize=not DEEP)
     @given(case=st.one_of(*strategies))
     def run(case: Any) -> None:
         CASES[f"schemathesis {name}"] += 1
@@ -391,8 +397,8 @@ def _near(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
 def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
     seen: Counter[int] = Counter()
 
-    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              derandomize=True)
+    @settings(max_examples=50 * SCALE, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              derandomize=not DEEP)
     @given(body=_near(VALID[path]) | JSON, raw=st.none() | st.none() | st.binary(max_size=64))
     def run(body: Any, raw: bytes | None) -> None:
         CASES[f"hypothesis POST {path}"] += 1

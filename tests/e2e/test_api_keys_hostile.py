@@ -37,14 +37,14 @@ from .keyed_app import (
 )
 from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 
 LONG_TEXT = "word " * 400  # about 400 tokens: twice max_prompt_tokens
 
 
 @pytest.fixture(scope="module")
-def app(keyed_app) -> str:
-    return keyed_app
+def app(keyed_app_url) -> str:
+    return keyed_app_url
 
 
 def post(app: str, path: str, body: Any = None, key: str | None = FULL, **kwargs: Any) -> httpx.Response:

@@ -26,11 +26,11 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.local_app import local_app
+from tests.integration.local_app import kept_metrics_url, local_app
 
-from .live import LiveApp, free_port, running_replicas, scrape_until, wait_ready, wait_replicas
+from .live import LiveApp, running_replicas, scrape_until, wait_ready, wait_replicas
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 APP = "autoscaling"
 SMOL, COLD = "model-smol", "model-cold"
 HEADER = "x-shunter-replica"
@@ -38,8 +38,7 @@ MAX_ONGOING, MAX_QUEUED = 8, 8
 
 
 @pytest.fixture(scope="module")
-def app(exclusive_machine) -> Iterator[tuple[LiveApp, str]]:
-    metrics_port = free_port()
+def app() -> Iterator[tuple[LiveApp, str]]:
     args = {"models": [
         {"name": "smol", "source": "builtin:smollm2-135m-instruct", "cpu_cores_per_replica": 1,
          "max_ongoing_requests": MAX_ONGOING, "admission": {"max_queued_requests": MAX_QUEUED},
@@ -51,10 +50,10 @@ def app(exclusive_machine) -> Iterator[tuple[LiveApp, str]]:
          "autoscaling": {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5},
          "engine": {"max_model_len": 256, "cpu_kv_cache_gib": 1}},
     ]}
-    with local_app(args, APP, metrics_port=metrics_port) as base:
+    with local_app(args, APP, keep_cluster=True) as base:
         live = LiveApp(base_url=base)
         wait_ready(live.base_url)
-        yield live, f"http://127.0.0.1:{metrics_port}/metrics"
+        yield live, kept_metrics_url()
 
 
 @dataclass

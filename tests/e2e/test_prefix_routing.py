@@ -32,7 +32,7 @@ from .live import LiveApp, wait_ready
 
 MODEL = "smol"
 HEADER = "x-shunter-replica"
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 APP = "prefix-routing"
 # About 1,280 tokens (SmolLM2 tokenizer): ten KV blocks of 128 tokens a later request can reuse.
 LONG_PREFIX = " ".join(
@@ -42,14 +42,14 @@ LONG_PREFIX = " ".join(
 
 
 @pytest.fixture(scope="module")
-def two_replicas(exclusive_machine) -> Iterator[tuple[LiveApp, Any]]:
+def two_replicas() -> Iterator[tuple[LiveApp, Any]]:
     from ray import serve
 
     args = {"models": [{
         "name": MODEL, "source": "builtin:smollm2-135m-instruct", "replicas": 2, "cpu_cores_per_replica": 1,
         "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
     }]}
-    with local_app(args, APP) as base:
+    with local_app(args, APP, keep_cluster=True) as base:
         app = LiveApp(base_url=base)
         wait_ready(app.base_url)
         yield app, serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)

@@ -16,7 +16,7 @@ from tests.rollout_client import Load, start_rollout, timeline, wait_done
 
 from .live import CAPITAL_QUESTION
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 
 APP = "rollouts-e2e"
 MODEL = "smol"
@@ -41,10 +41,10 @@ ARGS = {
 
 
 @pytest.fixture(scope="module")
-def app(exclusive_machine) -> Iterator[str]:
+def app() -> Iterator[str]:
     from tests.e2e.live import wait_ready
 
-    with local_app(ARGS, APP) as base:
+    with local_app(ARGS, APP, keep_cluster=True) as base:
         wait_ready(base)
         yield base
 

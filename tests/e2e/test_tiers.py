@@ -29,7 +29,7 @@ from tests.integration.local_app import local_app
 
 from .live import CAPITAL_QUESTION, ROOT, metric_total, scrape_until, wait_ready
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.own_app
 
 APP = "tiers-e2e"
 SIMPLE = CAPITAL_QUESTION
@@ -54,8 +54,8 @@ def _args() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def app(exclusive_machine) -> Iterator[str]:
-    with local_app(_args(), APP) as base:
+def app() -> Iterator[str]:
+    with local_app(_args(), APP, keep_cluster=True) as base:
         wait_ready(base)
         yield base
 

@@ -2,10 +2,17 @@
 
 Which engine a model gets depends on its source: `fake:*` sources get the FAKE engine (fault tests),
 any other source the real vLLM engine (e2e tests of keys, tiers, observability and rollouts).
+
+`keep_cluster=True` (the e2e apps) keeps the Ray cluster and Serve running after the app: the next
+app with the same cluster settings is deployed on it (`serve.run`) instead of a fresh cluster, and
+only the app is deleted (`serve.delete`: its replicas drain and stop, so their cores are free for the
+next one). Starting and stopping Ray is ~10 s a module on 2 cores; the engines are the same either way.
+Any other call, or `stop_kept_cluster()`, stops a kept cluster first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,18 +23,24 @@ from tests.e2e.live import free_port
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
 
+_kept: dict[str, Any] = {}  # the kept cluster: its settings, HTTP port and generation
+_generations = itertools.count(1)
 
-@contextmanager
-def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
-              metrics_port: int | None = None, blocking: bool = True, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve the Shunter config `args` as app `name` on a free port; yields its base URL.
 
-    `blocking=False` returns before the app is RUNNING (for apps with a model that never starts)."""
+def stop_kept_cluster() -> None:
     import ray
     from ray import serve
 
-    from deployments.app import assemble
-    from shunter.config import parse_config
+    if _kept:
+        _kept.clear()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _start(env: dict[str, str] | None, metrics_port: int | None, host: str) -> int:
+    """Start Ray and Serve in this process; returns Serve's HTTP port."""
+    import ray
+    from ray import serve
 
     extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     # Replica processes import the fake engine from the repository's tests package.
@@ -36,12 +49,65 @@ def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None
     try:
         port = free_port()
         serve.start(http_options={"host": host, "port": port})
+        return port
+    except BaseException:
+        ray.shutdown()
+        raise
+
+
+@contextmanager
+def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
+              metrics_port: int | None = None, blocking: bool = True, host: str = "127.0.0.1",
+              keep_cluster: bool = False) -> Iterator[str]:
+    """Serve the Shunter config `args` as app `name` on a free port; yields its base URL.
+
+    `blocking=False` returns before the app is RUNNING (for apps with a model that never starts).
+    `keep_cluster`: see the module docstring (the kept cluster exports metrics: `kept_metrics_url()`)."""
+    import ray
+    from ray import serve
+
+    from deployments.app import assemble
+    from shunter.config import parse_config
+
+    settings = (sorted((env or {}).items()), metrics_port, host)
+    if keep_cluster and _kept.get("settings") == settings and ray.is_initialized():
+        for other in list(serve.status().applications):  # one app at a time: they would share the cores
+            serve.delete(other)
+    else:
+        stop_kept_cluster()
+        port = _start(env, metrics_port or (free_port() if keep_cluster else None), host)
+        if keep_cluster:
+            _kept.update(settings=settings, port=port, generation=next(_generations))
+        else:
+            _kept.clear()
+    port = _kept["port"] if keep_cluster else port
+    generation = _kept.get("generation")
+    stopped_cleanly = False
+    try:
         app = assemble(parse_config(args), engine_factory=FACTORY)
         if blocking:
             serve.run(app, name=name, route_prefix="/")
         else:
             serve._run(app, _blocking=False, name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
+        stopped_cleanly = True
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if keep_cluster and _kept.get("generation") == generation:
+            try:
+                if not stopped_cleanly:  # a failed start: the next module gets a fresh cluster
+                    raise RuntimeError(f"app {name} did not stop cleanly")
+                serve.delete(name)  # its replicas drain and stop (Serve waits up to 60 s); the cluster stays
+            except BaseException:
+                stop_kept_cluster()
+                if stopped_cleanly:
+                    raise
+        elif not keep_cluster:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def kept_metrics_url() -> str:
+    """The Prometheus endpoint of the running cluster's metrics agent."""
+    import ray
+
+    return f"http://127.0.0.1:{ray._private.worker._global_node.metrics_export_port}/metrics"

