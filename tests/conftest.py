@@ -10,6 +10,8 @@ cluster before the next one starts, so their engines never compete for the same 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,11 @@ import pytest
 pytest_plugins = ["tests.budget"]  # per-test timeouts, per-module and per-tier time budgets
 
 _TIERS = ("unit", "integration", "e2e")
+
+# Machine-global state made per session: the CPU-core locks engines take (platform/shunter/cpu_cores.py)
+# live in a dir of this session's own, which every Ray process it starts inherits, so another session
+# on the machine (or a crashed one's leftovers) never holds cores this one's engines wait for.
+os.environ.setdefault("SHUNTER_CORE_LOCK_DIR", tempfile.mkdtemp(prefix="shunter-test-cores-"))
 
 
 def _tier(item: pytest.Item) -> int:

@@ -25,6 +25,28 @@ APP_NAME = "shunter"
 READY_TIMEOUT_S = 600
 
 
+def assert_capital(answer: str, base_url: str, model: str = CHAT_MODEL, max_tokens: int = 30, key: str | None = None,
+                   completion_prompt: str | None = None) -> None:
+    """`answer` answers CAPITAL_QUESTION (or, for `completion_prompt`, completes it): it names Paris, or,
+    should kernel-level drift make the tiny model answer otherwise (see CAPITAL_QUESTION), it is exactly
+    the same engine's greedy answer through the platform's plainest path, asked only then. So the check
+    is about the platform (this path gives what the engine answers), never about the model's knowledge."""
+    assert answer and answer.strip(), "an empty answer"
+    if "Paris" in answer:
+        return
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if completion_prompt is None:
+        resp = httpx.post(f"{base_url}/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+        greedy = resp.json()["choices"][0]["message"]["content"]
+    else:
+        resp = httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=120, json={
+            "model": model, "max_tokens": max_tokens, "temperature": 0, "prompt": completion_prompt})
+        greedy = resp.json()["choices"][0]["text"]
+    assert answer == greedy, f"neither Paris nor the engine's own greedy answer: {answer!r} vs {greedy!r}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,11 +21,16 @@ EXPORTER = InMemorySpanExporter()
 
 @pytest.fixture(scope="module", autouse=True)
 def provider():
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
-    trace.set_tracer_provider(provider)  # once per process; nothing else in the unit tests sets one
+    """The process-wide provider (OpenTelemetry lets a process set it once) with our exporter on it,
+    whichever test set it first: these tests pass in any order and beside any other."""
+    processor = SimpleSpanProcessor(EXPORTER)
+    current = trace.get_tracer_provider()
+    if not isinstance(current, TracerProvider):
+        current = TracerProvider()
+        trace.set_tracer_provider(current)
+    current.add_span_processor(processor)
     yield
-    provider.shutdown()
+    processor.shutdown()
 
 
 @pytest.fixture(autouse=True)
