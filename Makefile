@@ -56,7 +56,7 @@ test-integration: install ## Integration tests only (real local Ray)
 test-e2e: models ## End-to-end tests only (real engines)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
-fuzz: models ## The deep fuzz profile: ten times the cases of make test, a fresh seed each run (keys app, ~5 min)
+fuzz: models ## The deep fuzz profile: ten times the cases of make test, a fresh seed each run (the keys app)
 	SHUNTER_FUZZ=deep $(BIN)/python -m pytest tests/e2e/test_api_keys_and_fuzzing.py -k "schemathesis or hypothesis or after_fuzzing" -s $(PYTEST_ARGS)
 
 bench: models ## The standard benchmark suite (reports, never asserts): results/ and docs/benchmarks.md
