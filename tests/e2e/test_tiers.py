@@ -25,7 +25,7 @@ import openai
 import pytest
 import yaml
 
-from tests.integration.local_app import local_app
+from tests.integration.local_app import kept_metrics_url, local_app
 
 from .live import CAPITAL_QUESTION, ROOT, assert_capital, metric_total, scrape_until, wait_ready
 
@@ -140,10 +140,7 @@ def test_a_client_sampling_wildly_cannot_promote_a_class(app):
 
 
 def test_tier_metrics_count_requests_cost_and_promotions(app):
-    import ray
-
-    port = ray._private.worker._global_node.metrics_export_port
-    url = f"http://127.0.0.1:{port}/metrics"
+    url = kept_metrics_url()
     text = scrape_until(url, [
         ("ray_shunter_tier_requests_total", {"tier": "small"}),
         ("ray_shunter_tier_tokens_total", {"tier": "large", "kind": "completion"}),

@@ -56,7 +56,9 @@ class Outcome:
 
     @property
     def words(self) -> int:
-        return sum(1 for e in self.events if '"choices":[{' in e.replace(" ", ""))
+        """Content chunks received (the final usage chunk and error events carry no choice)."""
+        return sum(1 for e in self.events if e.startswith("data: {")
+                   and json.loads(e.removeprefix("data: ")).get("choices"))
 
     @property
     def complete(self) -> bool:
