@@ -37,6 +37,8 @@ from shunter.placement import (
 
 log = logging.getLogger("ray.serve")
 
+HEALTH_CHECK_PERIOD_S = 2.0
+
 
 @dataclass(frozen=True)
 class ClusterView:
@@ -180,7 +182,10 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
             "request_router_config": request_router_config(served, accel, version),
             **(version_replica_count(model, version) if model.versioned else replica_count(model)),
             "max_ongoing_requests": model.max_ongoing_requests,
-            "health_check_period_s": 10,
+            # Ray Serve replaces a replica on its third failed check in a row: every 2 s, a dead engine
+            # or a drained replica is gone within ~6 s instead of ~30 s (Ray's default period is 10 s).
+            # The check itself only reads the engine's state.
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S,
             "health_check_timeout_s": 30,
             # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
             # event, at the drain timeout before that (ops.draining).

@@ -24,6 +24,9 @@ _TIERS = ("unit", "integration", "e2e")
 # live in a dir of this session's own, which every Ray process it starts inherits, so another session
 # on the machine (or a crashed one's leftovers) never holds cores this one's engines wait for.
 os.environ.setdefault("SHUNTER_CORE_LOCK_DIR", tempfile.mkdtemp(prefix="shunter-test-cores-"))
+# Likewise the fault engines' control directory (tests/integration/fault_engine.py), shared by the apps
+# of the kept cluster (tests/integration/local_app.py).
+os.environ.setdefault("SHUNTER_FAULT_DIR", tempfile.mkdtemp(prefix="shunter-test-faults-"))
 
 
 def _tier(item: pytest.Item) -> int:

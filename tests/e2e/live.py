@@ -71,7 +71,7 @@ def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, A
                 return last
         except httpx.HTTPError as exc:
             last = repr(exc)
-        time.sleep(2)
+        time.sleep(1)
     raise TimeoutError(f"{base_url} not ready after {timeout_s}s; last answer: {last}")
 
 
@@ -94,7 +94,7 @@ def scrape_until(url: str, wanted: list[tuple[str, dict[str, str]]], at_least: f
         missing = [(name, labels) for name, labels in wanted if metric_total(text, name, **labels) < at_least]
         if not missing:
             return text
-        time.sleep(3)
+        time.sleep(1)
     raise AssertionError(f"not exported (>= {at_least}): {missing}")
 
 

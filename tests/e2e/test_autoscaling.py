@@ -7,7 +7,9 @@ One app on its own Ray cluster (2 cores: at most two one-core engines at a time)
   replica headers and in the exported metrics) and, once the burst is over, back to 1 while a steady
   load runs, with no failed request and no truncated stream;
 - an overload of `smol` gets 429s with Retry-After while every admitted request is answered, and the
-  model serves normally after it.
+  model serves normally after it. The app runs two gateways, as production would: each admits its own
+  share of the model's bound (half the running slots and half the queue), and each says so when it
+  refuses (which gateway answered a request is read from the gateway logs, by its X-Request-ID).
 
 Each test prints what the closing note of issue 5 reports (time to the second replica, requests lost,
 TTFT of admitted requests); those are measurements, not assertions.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,13 +31,14 @@ import pytest
 
 from tests.integration.local_app import kept_metrics_url, local_app
 
-from .live import LiveApp, running_replicas, scrape_until, wait_ready, wait_replicas
+from .live import LiveApp, gateways_that_served, running_replicas, scrape_until, wait_ready, wait_replicas
 
 pytestmark = pytest.mark.own_app
 APP = "autoscaling"
 SMOL, COLD = "model-smol", "model-cold"
 HEADER = "x-shunter-replica"
 MAX_ONGOING, MAX_QUEUED = 8, 8
+GATEWAYS = 2
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +47,13 @@ def app() -> Iterator[tuple[LiveApp, str]]:
         {"name": "smol", "source": "builtin:smollm2-135m-instruct", "cpu_cores_per_replica": 1,
          "max_ongoing_requests": MAX_ONGOING, "admission": {"max_queued_requests": MAX_QUEUED},
          "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 4,
-                         "upscale_delay_s": 2, "downscale_delay_s": 15},
+                         "upscale_delay_s": 2, "downscale_delay_s": 5},
          "draining": {"timeout_s": 120},
          "engine": {"max_model_len": 1024, "max_num_seqs": 8, "cpu_kv_cache_gib": 1}},
         {"name": "cold", "source": "builtin:all-minilm-l6-v2", "task": "embed", "cpu_cores_per_replica": 1,
          "autoscaling": {"min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5},
          "engine": {"max_model_len": 256, "cpu_kv_cache_gib": 1}},
-    ]}
+    ], "gateway": {"replicas": GATEWAYS}}
     with local_app(args, APP, keep_cluster=True) as base:
         live = LiveApp(base_url=base)
         wait_ready(live.base_url)
@@ -67,6 +71,7 @@ class Load:
     failures: list[str] = field(default_factory=list)
     replicas: dict[str, float] = field(default_factory=dict)  # replica -> when it first answered
     ttfts: list[float] = field(default_factory=list)
+    refusals: dict[str, str] = field(default_factory=dict)  # X-Request-ID of a 429 -> its error message
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -89,12 +94,13 @@ class Load:
             n += 1
             self.one(f"Worker {worker}, question {n}: name a colour and a fruit.")
 
-    def one(self, question: str) -> None:
+    def one(self, question: str, request_id: str | None = None) -> None:
         started = time.monotonic()
         try:
             raw = self.client.chat.completions.with_raw_response.create(
                 model="smol", stream=True, max_tokens=self.max_tokens, temperature=0,
-                messages=[{"role": "user", "content": question}])
+                messages=[{"role": "user", "content": question}],
+                extra_headers={"X-Request-ID": request_id} if request_id else None)
             finish, first = None, None
             for chunk in raw.parse():
                 if chunk.choices and chunk.choices[0].delta.content and first is None:
@@ -107,6 +113,8 @@ class Load:
             with self._lock:
                 self.failures.append(f"{type(exc).__name__} (code {getattr(exc, 'code', None)}, "
                                      f"Retry-After {retry_after}): {exc}"[:300])
+                if request_id and isinstance(exc, openai.RateLimitError):
+                    self.refusals[request_id] = str(exc)
             return
         with self._lock:
             if finish not in ("stop", "length"):
@@ -138,7 +146,9 @@ def test_a_burst_scales_to_two_and_back_to_one_without_losing_a_request(app):
     assert running_replicas(APP, SMOL) == 1
     client = live.openai(timeout=300)
     burst_start = time.monotonic()
-    with Load(client, workers=12) as burst:
+    # Six streams keep the queue over the target of 4 per replica with one replica or two, and leave
+    # the second replica's engine some CPU to start on.
+    with Load(client, workers=6, max_tokens=32) as burst:
         wait_replicas(APP, SMOL, 2, timeout_s=240)
         deadline = time.monotonic() + 60
         while len(burst.replicas) < 2 and time.monotonic() < deadline:
@@ -163,7 +173,8 @@ def test_an_overload_gets_429_and_the_model_recovers(app):
     client = live.openai(timeout=300)
     load = Load(client, workers=0, max_tokens=32)
     with ThreadPoolExecutor(48) as pool:
-        list(pool.map(lambda i: load.one(f"Overload question {i}: what is {i} plus {i}?"), range(48)))
+        list(pool.map(lambda i: load.one(f"Overload question {i}: what is {i} plus {i}?",
+                                         request_id=f"overload-{uuid.uuid4().hex}"), range(48)))
     refused = [f for f in load.failures if f.startswith("RateLimitError")]
     others = [f for f in load.failures if not f.startswith("RateLimitError")]
     ttfts = sorted(load.ttfts)
@@ -173,6 +184,13 @@ def test_an_overload_gets_429_and_the_model_recovers(app):
     assert refused, "48 requests at once exceed 8 running + 8 queued: some must be refused"
     assert all("(code queue_full, " in f and "Retry-After None" not in f for f in refused), refused[:3]
     assert load.ok >= MAX_ONGOING + MAX_QUEUED, "a burst that fits is admitted whole"
+    # Each gateway holds its own share of the bound: it refuses once its half of the queue is waiting.
+    share = MAX_QUEUED // GATEWAYS
+    assert all(f"{share} requests are already waiting" in message for message in load.refusals.values()), \
+        sorted(set(load.refusals.values()))[:3]
+    refused_by = gateways_that_served(APP, list(load.refusals))
+    assert len(refused_by) == len(load.refusals) and len(set(refused_by.values())) == GATEWAYS, \
+        f"each gateway refused past its own share: {refused_by}"
     try:
         client.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     except openai.RateLimitError as exc:

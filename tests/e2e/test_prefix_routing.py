@@ -167,7 +167,7 @@ def test_an_operator_drains_a_replica_and_ray_serve_replaces_it_once_idle(two_re
         now = [r["replica"] for r in _replicas(app)]
         if drained not in now and len(now) == 2:
             break
-        time.sleep(3)
+        time.sleep(1)
     assert drained not in now and kept in now and len(now) == 2, now
     (replacement,) = set(now) - {kept}
     assert _counters(handle, replacement)["replica"] == replacement

@@ -32,7 +32,7 @@ ARGS = {
         ],
         # Two engines share two cores and the load: latency noise is large, so the latency gates are
         # loose; errors are judged strictly.
-        "rollout": {"steps": [10, 50, 100], "hold_s": 10, "max_hold_s": 120, "ready_timeout_s": 300,
+        "rollout": {"steps": [20, 60, 100], "hold_s": 4, "max_hold_s": 120, "ready_timeout_s": 300,
                     "gates": {"min_requests": 5, "max_error_rate_increase": 0.02, "max_ttft_p95_ratio": 4,
                               "max_e2e_p95_ratio": 4, "latency_slack_s": 1.0}},
         "draining": {"timeout_s": 60},
@@ -53,7 +53,7 @@ def _run_rollout(base: str, to: str) -> tuple[dict, Load]:
     load = Load(base, MODEL, clients=3, max_tokens=12)
     threads = load.start()
     try:
-        time.sleep(5)
+        time.sleep(3)
         started = time.monotonic()
         start_rollout(base, MODEL, to)
         status = wait_done(base, MODEL, timeout_s=600)

@@ -3,11 +3,13 @@
 Which engine a model gets depends on its source: `fake:*` sources get the FAKE engine (fault tests),
 any other source the real vLLM engine (e2e tests of keys, tiers, observability and rollouts).
 
-`keep_cluster=True` (the e2e apps) keeps the Ray cluster and Serve running after the app: the next
-app with the same cluster settings is deployed on it (`serve.run`) instead of a fresh cluster, and
-only the app is deleted (`serve.delete`: its replicas drain and stop, so their cores are free for the
-next one). Starting and stopping Ray is ~10 s a module on 2 cores; the engines are the same either way.
-Any other call, or `stop_kept_cluster()`, stops a kept cluster first.
+`keep_cluster=True` (the integration and e2e apps) keeps the Ray cluster and Serve running after the
+app: the next app with the same cluster settings is deployed on it (`serve.run`) instead of a fresh
+cluster, and only the app is deleted (`serve.delete`: its replicas drain and stop, so their cores are
+free for the next one). Starting and stopping Ray is ~10 s a module on 2 cores; the engines are the
+same either way. Any other call, or `stop_kept_cluster()`, stops a kept cluster first. What an app's
+processes need from the environment (API keys, the fault engines' control directory) is set in this
+process's environment before the first app starts: Ray's processes inherit it.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None
         elif not keep_cluster:
             serve.shutdown()
             ray.shutdown()
+
+
+def fault_dir() -> Path:
+    """The fault engines' control directory (fault_engine.py), one per test session (tests/conftest.py).
+    Its files are named by replica id, unique across apps, so every app on the kept cluster shares it."""
+    import os
+
+    return Path(os.environ["SHUNTER_FAULT_DIR"])
 
 
 def kept_metrics_url() -> str:

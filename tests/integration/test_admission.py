@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.live import free_port, scrape_until, wait_replicas
-from tests.integration.local_app import local_app
+from tests.e2e.live import scrape_until, wait_replicas
+from tests.integration.local_app import fault_dir, kept_metrics_url, local_app
 
 APP = "admission"
 COLD_START_TIMEOUT_S = 15
@@ -40,16 +40,14 @@ class Admission:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory) -> Iterator[Admission]:
-    control = tmp_path_factory.mktemp("faults")
-    metrics_port = free_port()
+def app() -> Iterator[Admission]:
     args = {"models": [
         {"name": "sleepy", "source": "fake:flaky", "accelerator": "cpu", "cpu_cores_per_replica": 1,
          "autoscaling": {"min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 2,
                          "cold_start_timeout_s": COLD_START_TIMEOUT_S}},
     ]}
-    with local_app(args, APP, env={"SHUNTER_FAULT_DIR": str(control)}, metrics_port=metrics_port) as base:
-        yield Admission(base, control, f"http://127.0.0.1:{metrics_port}/metrics")
+    with local_app(args, APP, keep_cluster=True) as base:
+        yield Admission(base, fault_dir(), kept_metrics_url())
 
 
 def test_a_cold_start_slower_than_its_timeout_is_a_503_with_retry_after(app):

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.live import free_port, scrape_until
-from tests.integration.local_app import local_app
+from tests.e2e.live import scrape_until
+from tests.integration.local_app import fault_dir, kept_metrics_url, local_app
 
 FAILURES_TO_OPEN = 2
 COOLDOWN_S = 3.0
@@ -61,9 +61,7 @@ class Duo:
 
 
 @pytest.fixture(scope="module")
-def duo(tmp_path_factory) -> Iterator[Duo]:
-    control = tmp_path_factory.mktemp("faults")
-    metrics_port = free_port()
+def duo() -> Iterator[Duo]:
     args = {
         "models": [{
             "name": "duo", "source": "fake:flaky", "accelerator": "cpu", "replicas": 2,
@@ -74,10 +72,9 @@ def duo(tmp_path_factory) -> Iterator[Duo]:
             },
         }],
     }
-    with local_app(args, "breakers", env={"SHUNTER_FAULT_DIR": str(control)},
-                         metrics_port=metrics_port) as base:
-        app = Duo(base, control)
-        app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with local_app(args, "breakers", keep_cluster=True) as base:
+        app = Duo(base, fault_dir())
+        app.metrics_url = kept_metrics_url()
         seen: set[str] = set()
         for _ in range(60):
             resp = app.chat("hello")

@@ -14,12 +14,15 @@ import pytest
 
 from tests.integration.local_app import ROOT
 
+pytestmark = pytest.mark.own_cluster
+
 CONTEXT = {"model": "smol", "fingerprint": "f1", "versions": ["v1", "v2"], "file_weights": [["v1", 100.0], ["v2", 0.0]],
            "deployments": {"v1": "model-smol--v1", "v2": "model-smol--v2"}, "ready_replicas": 1, "rollout": {}}
 WRITER = f"""
 import sys
 import ray
 from ops.control import control
+
 ray.init(address=sys.argv[1], namespace="writer")
 ray.get(control("app1").set_weights.remote({CONTEXT!r}, [("v2", 10), ("v1", 90)]))
 """

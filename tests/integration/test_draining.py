@@ -12,6 +12,7 @@ made as long as a test needs).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +24,8 @@ import httpx
 import pytest
 
 from shunter.auth import new_key
-from tests.e2e.live import free_port, metric_total, scrape_until
-from tests.integration.local_app import FACTORY, local_app
+from tests.e2e.live import metric_total, scrape_until
+from tests.integration.local_app import FACTORY, kept_metrics_url, local_app
 
 APP = "draining"
 DRAIN_S = 6
@@ -36,9 +37,14 @@ def _key_env(name: str) -> str:
     return "DRAINING_KEY_" + name.upper().replace("-", "_")
 
 
+# The keys reach the gateway as a real deployment gives them, in the environment of the processes Ray
+# starts; those inherit the cluster's, and the kept cluster starts after every module is imported.
+os.environ.update({_key_env(name): key for name, key in KEYS.items()})
+
+
 def _args(replicas: int) -> dict[str, Any]:
     return {"models": [{
-        "name": "duo", "source": "fake:flaky", "accelerator": "cpu", "replicas": replicas,
+        "name": "drained", "source": "fake:flaky", "accelerator": "cpu", "replicas": replicas,
         "cpu_cores_per_replica": 1, "routing": {"policy": "least_connections"},
         "draining": {"timeout_s": DRAIN_S},
     }], "auth": {"keys": [{"name": name, "key_env": _key_env(name), "tokens_per_minute": 10 ** 6} for name in KEYS]}}
@@ -74,7 +80,7 @@ class Outcome:
 def _stream(base: str, seconds: float, key: str = KEYS["other"]) -> Outcome:
     words = int(seconds / 0.25)
     with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, headers=_auth(key), json={
-            "model": "duo", "stream": True,
+            "model": "drained", "stream": True,
             "messages": [{"role": "user", "content": "pace=0.25 " + "w " * words}]}) as resp:
         assert resp.status_code == 200
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
@@ -83,17 +89,15 @@ def _stream(base: str, seconds: float, key: str = KEYS["other"]) -> Outcome:
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[str, str]]:
-    metrics_port = free_port()
-    env = {_key_env(name): key for name, key in KEYS.items()}
-    with local_app(_args(2), APP, env=env, metrics_port=metrics_port) as base:
-        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
+    with local_app(_args(2), APP, keep_cluster=True) as base:
+        yield base, kept_metrics_url()
 
 
 def _replicas_serving(base: str, requests: int = 8) -> set[str]:
     seen = set()
     for _ in range(requests):
         resp = httpx.post(f"{base}/v1/chat/completions", timeout=30, headers=_auth(),
-                          json={"model": "duo", "messages": [{"role": "user", "content": "who is there"}]})
+                          json={"model": "drained", "messages": [{"role": "user", "content": "who is there"}]})
         assert resp.status_code == 200, resp.text
         seen.add(resp.headers[HEADER])
     return seen
@@ -132,8 +136,8 @@ def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_tim
             assert outcome.error_code == "replica_drain_timeout", outcome.events[-1:]
         else:
             assert outcome.complete, outcome.events[-1:]
-    scrape_until(metrics_url, [("ray_shunter_drain_aborted_total", {"model": "duo"}),
-                               ("ray_shunter_drain_seconds_count", {"model": "duo"})])
+    scrape_until(metrics_url, [("ray_shunter_drain_aborted_total", {"model": "drained"}),
+                               ("ray_shunter_drain_seconds_count", {"model": "drained"})])
     cut = [(i, o) for i, o in enumerate(long_outcomes) if o.replica in left]
     assert cut and all(0 < o.words < o.prompt_words - 1 for _, o in cut), "the drain cut the stream mid-way"
     for i, outcome in cut:  # its key is charged what the stream produced, no more, no less

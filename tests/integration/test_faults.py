@@ -40,7 +40,7 @@ def fault_app() -> Iterator[str]:
                                "stream_idle_timeout_s": STREAM_IDLE_TIMEOUT_S}},
     }
     # Not blocking: the app as a whole never reaches RUNNING, since `broken` never starts.
-    with local_app(args, "faults", blocking=False) as base:
+    with local_app(args, "faults", blocking=False, keep_cluster=True) as base:
         _wait(lambda: _ready_models(base).get("flaky", {}).get("ready") is True, 120, "flaky never became ready")
         yield base
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from tests.integration.local_app import local_app
+
+pytestmark = pytest.mark.own_cluster
 
 ARGS = {"models": [{"name": "m", "source": "fake:flaky", "accelerator": "cpu", "cpu_cores_per_replica": 1}],
         "gateway": {"queue_timeout_s": 20}}

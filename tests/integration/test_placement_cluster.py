@@ -20,6 +20,8 @@ import pytest
 from tests.e2e.live import free_port, wait_ready
 from tests.integration.local_app import FACTORY, ROOT
 
+pytestmark = pytest.mark.own_cluster
+
 GPUS_PER_NODE = (3, 2, 2)
 APP = "placement"
 

@@ -12,6 +12,7 @@ did not use and kept what it did.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +21,8 @@ import httpx
 import pytest
 
 from shunter.auth import new_key
-from tests.e2e.live import free_port, metric_total, scrape_until
-from tests.integration.local_app import local_app
+from tests.e2e.live import metric_total, scrape_until
+from tests.integration.local_app import kept_metrics_url, local_app
 
 APP = "settlement"
 MODEL = "paced"
@@ -30,11 +31,12 @@ TOKENS_PER_MINUTE = 300  # 5 a second refill
 PROMPT = "pace=0.5 " + "w " * 99  # 100 prompt tokens for the fake engine; its stream: two words a second, 50 s
 MAX_TOKENS = 200  # reserved at admission with the prompt's estimate (~56), never reached: the stream is cut first
 KEYS = {name: new_key() for name in ("timeout", "idle", "probe")}
+# In the environment the kept cluster's processes inherit (see test_draining.py).
+os.environ.update({f"SETTLEMENT_KEY_{name.upper()}": key for name, key in KEYS.items()})
 
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[str, str]]:
-    env = {f"SETTLEMENT_KEY_{name.upper()}": key for name, key in KEYS.items()}
     args = {
         "models": [{"name": MODEL, "source": "fake:paced", "accelerator": "cpu"}],
         "gateway": {"queue_timeout_s": 5, "body_timeout_s": 5, "limits": {"request_timeout_s": REQUEST_TIMEOUT_S,
@@ -42,9 +44,8 @@ def app() -> Iterator[tuple[str, str]]:
         "auth": {"keys": [{"name": name, "key_env": f"SETTLEMENT_KEY_{name.upper()}",
                            "tokens_per_minute": TOKENS_PER_MINUTE} for name in KEYS]},
     }
-    metrics_port = free_port()
-    with local_app(args, APP, env=env, metrics_port=metrics_port) as base:
-        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
+    with local_app(args, APP, keep_cluster=True) as base:
+        yield base, kept_metrics_url()
 
 
 def _stream(base: str, key: str, prompt: str) -> tuple[int, dict[str, Any]]:

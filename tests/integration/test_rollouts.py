@@ -45,7 +45,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[str]:
-    with local_app(ARGS, APP) as base:
+    with local_app(ARGS, APP, keep_cluster=True) as base:
         yield base
 
 
