@@ -14,7 +14,7 @@ the next preparer removes a killed one's temp dir).
 Any other source (a local dir, a hub id) is passed to the engine as given.
 
 A model declared with `versions:` has no `source` of its own: each version has one, so whatever prepares
-a config's models (`shunter models prepare`, `make serve`) walks the versions (`builtin_sources`).
+a config's models (`shunter models prepare`, `make serve`) walks the versions (`ShunterConfig.builtin_sources`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from shunter.config import BUILTIN_PREFIX
-
-if TYPE_CHECKING:
-    from shunter.config import ShunterConfig
 
 log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"  # a config's `source: builtin:<key>` names a model of BUILTIN_MODELS
 
 # Bump when the preparation recipe changes, so old cache entries are not reused.
 _RECIPE_VERSION = "1"
@@ -104,18 +100,6 @@ def resolve_source(source: str, cache_dir: str | Path | None = None, progress: b
         return str(packaged)
     target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     return str(_prepare_gguf(model, packaged, target, progress))
-
-
-def builtin_sources(cfg: ShunterConfig) -> list[tuple[str, str]]:
-    """(label, source) of every builtin source the config's models run, one per model version (a model
-    with `versions:` has a source per version, none of its own), e.g. ("smol version v2", "builtin:...")."""
-    found = []
-    for model in cfg.models:
-        for version in model.version_names():
-            source = model.for_version(version).source or ""
-            if source.startswith(BUILTIN_PREFIX):
-                found.append((model.name + (f" version {version}" if model.versioned else ""), source))
-    return found
 
 
 def prepared_path(model: BuiltinModel, cache_dir: str | Path | None = None) -> Path | None:

@@ -221,10 +221,10 @@ def _keys_id(args: argparse.Namespace) -> int:
 
 
 def _models_prepare(args: argparse.Namespace) -> int:
-    from shunter.catalog import builtin_sources, resolve_source
+    from shunter.catalog import resolve_source
 
     for _, cfg in load_app_configs(args.file):
-        for label, source in builtin_sources(cfg):
+        for label, source in cfg.builtin_sources():
             path = resolve_source(source, cfg.model_cache_dir)
             print(f"{label}: {source} -> {path}")
     return 0

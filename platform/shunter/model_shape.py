@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shunter.config import BUILTIN_PREFIX
+from shunter.catalog import BUILTIN_PREFIX
 
 log = logging.getLogger(__name__)
 

