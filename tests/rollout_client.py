@@ -85,7 +85,7 @@ def wait_done(base: str, model: str, timeout_s: float = 240) -> dict[str, Any]:
 
 def timeline(status: dict[str, Any]) -> str:
     """The rollout's history as `shunter rollout status` prints it: time, phase, weights, reason, gates."""
-    from shunter.cli_rollout import event_line
+    from shunter.cli.rollout import event_line
 
     rollout = status["rollout"]
     return "\n".join(event_line(rollout, e) for e in rollout["history"])

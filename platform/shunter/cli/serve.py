@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def serve_main(args: argparse.Namespace) -> int:
     import yaml
 
-    from shunter.cli import APP_IMPORT_PATH, load_app_configs
+    from shunter.cli.app_files import APP_IMPORT_PATH, load_app_configs
 
     load_app_configs(args.file)  # a readable error for a bad file, before Ray starts
     raw = yaml.safe_load(args.file.read_text())

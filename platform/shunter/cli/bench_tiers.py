@@ -130,7 +130,7 @@ def bench_tiers(config: Path, requests: int, concurrency: int) -> dict[str, Any]
 
     from deployments.app import assemble
     from deployments.tiering import Tiering
-    from shunter.cli import load_app_configs
+    from shunter.cli.app_files import load_app_configs
     from shunter.local_serve import free_port, wait_ready
 
     (_, cfg), *_ = load_app_configs(config)

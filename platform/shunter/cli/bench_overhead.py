@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shunter.cli.app_files import generate_model_of
 from shunter.local_serve import free_port
 
 QUESTIONS = [
@@ -207,23 +208,10 @@ def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[
             "tokens_per_s": tokens / wall}
 
 
-def _model_of(config: Path, name: str) -> tuple[Any, Any, str]:
-    from shunter.catalog import resolve_source
-    from shunter.cli import load_app_configs
-
-    (_, cfg), *_ = load_app_configs(config)
-    model = cfg.find_model(name)
-    if model is None or model.task != "generate":
-        raise SystemExit(f"{name!r} is not a generate model of {config}")
-    if model.versioned:  # each version its own weights: measure the one the file gives most traffic
-        model = model.for_version(max(model.file_weights(), key=lambda item: item[1])[0])
-    return cfg, model, resolve_source(model.source or "", cfg.model_cache_dir)
-
-
 def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
             shared_prefix: list[str] | None = None) -> dict[str, Any]:
     """Overhead rows for every level, plus (optionally) a shared-prefix run against the Shunter app."""
-    cfg, model, path = _model_of(config, model_name)
+    cfg, model, path = generate_model_of(config, model_name)
     alone = asyncio.run(bench_vllm_alone(path, model.engine, levels, max_tokens))
     proc, server_url = vllm_server(path, model.name, model.engine)
     try:
@@ -300,9 +288,9 @@ def suite_main(argv: list[str] | None = None) -> int:
     shared_options = ["--groups", "4", "--users", "8", "--system-len", "1024", "--question-len", "uniform:16:32",
                       "--output-len", "fixed:32", "--concurrency", "8", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
                       "--label", "shared-prefix 4x8, 1024-token prefixes, c8", "--seed", "0"]
-    from shunter.cli_bench_routing import POLICIES, compare_routing
+    from shunter.cli.bench_routing import POLICIES, compare_routing
 
-    _, _, path = _model_of(args.config, args.model)
+    _, _, path = generate_model_of(args.config, args.model)
     baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
     routing = compare_routing(args.config, args.model, list(POLICIES))
@@ -322,7 +310,7 @@ def suite_main(argv: list[str] | None = None) -> int:
 def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[str, Any],
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
-    from shunter.cli_bench_routing import routing_section
+    from shunter.cli.bench_routing import routing_section
 
     machine = env["machine"]
     c32 = next(r for r in result["overhead"] if r["concurrency"] == 32)

@@ -67,7 +67,7 @@ def check_builds(path: Path, name: str, cfg: ShunterConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from deployments.app import check_placement, cpu_core_demands, plan_deployments
-    from shunter.cli import load_app_configs
+    from shunter.cli.app_files import load_app_configs
     from shunter.placement import parse_nodes
 
     try:

@@ -52,11 +52,11 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
 
     from deployments.app import assemble, deployment_name
     from shunter.bench.runner import run, run_parser
-    from shunter.cli_bench import _model_of
+    from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
     from shunter.local_serve import free_port, wait_ready
 
-    cfg, model, _ = _model_of(config, model_name)
+    cfg, model, _ = generate_model_of(config, model_name)
     ray.init(include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

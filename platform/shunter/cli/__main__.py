@@ -1,0 +1,7 @@
+"""`python -m shunter.cli`: the `shunter` command."""
+
+import sys
+
+from shunter.cli import main
+
+sys.exit(main())
