@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.app_files import generate_model_of
-from shunter.local_serve import free_port
+from shunter.local_serve import free_port, local_serve
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple words.", "Write a haiku about rain.",
@@ -165,21 +165,13 @@ def _requests_for(concurrency: int) -> int:
     return max(8, concurrency * 2)
 
 
-def _serve_single_model(args_cfg: Any, model_name: str) -> str:
-    """Serve only `model_name` from the config (so it owns every core, like vLLM alone), return its URL."""
-    import ray
-    from ray import serve
-
+def _single_model_app(args_cfg: Any, model_name: str) -> Any:
+    """The config's app serving only `model_name` (so it owns every core, like vLLM alone)."""
     from deployments.app import assemble
     from shunter.config import ShunterConfig
 
-    cfg = ShunterConfig.model_validate({**args_cfg.model_dump(), "models": [
-        m.model_dump() for m in args_cfg.models if m.name == model_name]})
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(assemble(cfg), name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return assemble(ShunterConfig.model_validate({**args_cfg.model_dump(), "models": [
+        m.model_dump() for m in args_cfg.models if m.name == model_name]}))
 
 
 def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[str, Any]:
@@ -219,21 +211,15 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
     finally:
         proc.terminate()
         proc.wait(60)
-    base_url = _serve_single_model(cfg, model.name)
     shared = None
-    try:
-        through = asyncio.run(bench_openai_endpoint("shunter", base_url, model.name, levels, max_tokens))
+    with local_serve() as local:
+        local.deploy(_single_model_app(cfg, model.name), "bench")
+        through = asyncio.run(bench_openai_endpoint("shunter", local.base_url, model.name, levels, max_tokens))
         if shared_prefix is not None:
             from shunter.bench.runner import run, run_parser
 
-            shared = run(run_parser().parse_args(["--base-url", f"{base_url}/v1", "--model", model.name,
+            shared = run(run_parser().parse_args(["--base-url", f"{local.base_url}/v1", "--model", model.name,
                                                   "--workload", "shared-prefix", "--quiet", *shared_prefix]))
-    finally:
-        import ray
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
     rows = [{"concurrency": a.concurrency,
              **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
              "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,

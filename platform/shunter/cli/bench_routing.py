@@ -47,28 +47,23 @@ def _counters(handle: Any, replicas: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2) -> dict[str, Any]:
-    import ray
     from ray import serve
 
     from deployments.app import assemble, deployment_name
     from shunter.bench.runner import run, run_parser
     from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
-    from shunter.local_serve import free_port, wait_ready
+    from shunter.local_serve import local_serve
 
     cfg, model, _ = generate_model_of(config, model_name)
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
     rows = []
-    try:
+    with local_serve() as local:
+        base = local.base_url
         for name in policies:
             spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name]}
             app_cfg = ShunterConfig.model_validate({**cfg.model_dump(mode="json"), "models": [spec]})
             print(f"\n== {name}: deploying {replicas} fresh replicas", flush=True)
-            serve.run(assemble(app_cfg), name=APP, route_prefix="/")
-            wait_ready(base)
+            local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
             ids = _replica_ids(handle, replicas)
             before = _counters(handle, ids)
@@ -92,9 +87,6 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             })
             print(routing_table(rows[-1:]), flush=True)
             serve.delete(APP)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return {"model": model.name, "replicas": replicas, "workload_options": WORKLOAD, "rows": rows}
 
 

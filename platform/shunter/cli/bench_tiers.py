@@ -125,34 +125,25 @@ def report(result: dict[str, Any]) -> str:
 
 def bench_tiers(config: Path, requests: int, concurrency: int) -> dict[str, Any]:
     import httpx
-    import ray
-    from ray import serve
 
     from deployments.app import assemble
     from deployments.tiering import Tiering
     from shunter.cli.app_files import load_app_configs
-    from shunter.local_serve import free_port, wait_ready
+    from shunter.local_serve import local_serve
 
     (_, cfg), *_ = load_app_configs(config)
     if cfg.tiers is None:
         raise SystemExit(f"{config}: no `tiers:` section")
     tiers = Tiering(cfg).router.tiers
     bodies = mixed_workload(requests)
-    ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        serve.run(assemble(cfg), name=APP, route_prefix="/")
-        wait_ready(base)
+    with local_serve() as local:
+        base = local.base_url
+        local.deploy(assemble(cfg), APP)
         began = time.perf_counter()
         records = asyncio.run(_drive(base, bodies, concurrency))
         wall = time.perf_counter() - began
         time.sleep(5)  # the monitor's last comparisons
         status = httpx.get(f"{base}/admin/tiers", timeout=30).json()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return {"benchmark": "tiers", "config": str(config), "concurrency": concurrency, "wall_s": wall,
             "summary": summarize(records, tiers), "classifier_us": classifier_cost_us(bodies),
             "tier_status": status, "records": records}

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shunter.local_serve import local_serve
+
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # platform/shunter/cli/demo.py -> the repository
 # The panels each PNG shows: the ones an operator looks at first.
 KEY_PANELS: dict[str, list[str]] = {
     "shunter-overview": ["Requests/s by model", "Time to first token", "Inter-token latency", "End-to-end latency",
@@ -42,21 +44,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    base, metrics_url = _serve(args.config)
     from ops.panels.render import render_all
     from ops.panels.scrape import SampleStore, scrape_loop
 
+    args = parser().parse_args(argv)
     store, stop = SampleStore(), threading.Event()
-    scraper = threading.Thread(target=scrape_loop, args=(metrics_url, store, 2.0, stop), daemon=True)
-    scraper.start()
-    try:
-        summary = _load(base, args)
-        time.sleep(10)  # the last requests' metrics reach the exporter
-    finally:
-        stop.set()
-        scraper.join(timeout=10)
-        _shutdown()
+    with local_serve(metrics=True) as local:
+        print(f"starting {args.config} (the engines take a minute)...", flush=True)
+        local.deploy(*_app(args.config), timeout_s=600)
+        scraper = threading.Thread(target=scrape_loop, args=(local.metrics_url, store, 2.0, stop), daemon=True)
+        scraper.start()
+        try:
+            summary = _load(local.base_url, args)
+            time.sleep(10)  # the last requests' metrics reach the exporter
+        finally:
+            stop.set()
+            scraper.join(timeout=10)
     written = render_all(ROOT / "ops" / "grafana", store, args.out, KEY_PANELS, step_s=2.0,
                          rate_interval=args.rate_interval)
     print(f"load: {summary['requests']} requests, {summary['output_tokens_per_s']:.0f} output tokens/s; "
@@ -66,25 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _serve(config: Path) -> tuple[str, str]:
-    """Serve the config's Shunter application locally; returns its base URL and metrics URL."""
-    import ray
+def _app(config: Path) -> tuple[Any, str]:
+    """The config's Shunter application, built as `serve deploy` would build it, and its name."""
     import yaml
-    from ray import serve
 
     from deployments.app import build_app
-    from shunter.local_serve import free_port, wait_ready
 
     apps = yaml.safe_load(config.read_text())["applications"]
     app = next(a for a in apps if a.get("import_path", "").startswith("deployments.app"))
-    http_port, metrics_port = free_port(), free_port()
-    ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    print(f"starting {app['name']} from {config} (the engines take a minute)...", flush=True)
-    serve.run(build_app(app["args"]), name=app["name"], route_prefix="/")
-    base = f"http://127.0.0.1:{http_port}"
-    wait_ready(base, timeout_s=600)
-    return base, f"http://127.0.0.1:{metrics_port}/metrics"
+    return build_app(app["args"]), app["name"]
 
 
 def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -95,11 +88,3 @@ def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
         "--users", "6", "--system-len", "512", "--output-len", "uniform:16:48",
         "--concurrency", str(args.concurrency), "--duration", str(args.duration), "--quiet"])
     return run(bench)["summary"]
-
-
-def _shutdown() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
