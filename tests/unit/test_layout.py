@@ -38,3 +38,45 @@ def test_layers_import_in_the_documented_direction():
     for room in ("routing", "ops"):
         for path in (ROOT / room).rglob("*.py"):
             assert "from deployments" not in path.read_text(), f"{path} imports deployments"
+
+
+def test_the_import_contracts_in_pyproject_hold():
+    """[tool.importlinter] in pyproject.toml: which room may import which, imports inside functions too."""
+    done = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--config", "pyproject.toml",
+                           "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " 0 broken" in done.stdout and "broken" in done.stdout
+
+
+def test_no_module_of_ours_is_in_an_import_circle():
+    """Tarjan's strongly connected components over every import of ours (grimp's graph, the one
+    import-linter checks): a component of more than one module is a circle."""
+    import grimp
+
+    graph = grimp.build_graph("shunter", "deployments", "routing", "ops", cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) & graph.modules for m in graph.modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            if component:
+                circles.append(sorted([module, *component]))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    assert not circles, f"import circles: {circles}"
