@@ -116,13 +116,17 @@ def wait_replicas(app: str, deployment: str, count: int, timeout_s: float) -> No
                          f"(now {running_replicas(app, deployment)})")
 
 
-def ray_session_logs(folder: str, pattern: str) -> list[Path]:
-    """Log files of the running Ray session (the driver's), e.g. ("serve", "replica_app_gateway_*.log")."""
+def ray_session_dir() -> Path:
+    """The running Ray session's folder (the driver's): Ray has no public getter for it; its node object
+    knows it."""
     import ray
 
-    # Ray has no public getter for the session folder; its node object knows it.
-    session = ray._private.worker._global_node.get_session_dir_path()
-    return sorted((Path(session) / "logs" / folder).glob(pattern))
+    return Path(ray._private.worker._global_node.get_session_dir_path())
+
+
+def ray_session_logs(folder: str, pattern: str) -> list[Path]:
+    """Log files of the running Ray session, e.g. ("serve", "replica_app_gateway_*.log")."""
+    return sorted((ray_session_dir() / "logs" / folder).glob(pattern))
 
 
 def gateways_that_served(app: str, request_ids: list[str], timeout_s: float = 30) -> dict[str, str]:

@@ -20,7 +20,6 @@ import os
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,7 +43,7 @@ from .keyed_app import (
     PACED_REQUESTS_PER_MINUTE,
     TIMEOUT_S,
 )
-from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL, assert_capital
+from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL, assert_capital, ray_session_dir
 
 pytestmark = pytest.mark.own_app
 
@@ -179,10 +178,9 @@ def test_usage_is_counted_per_key_id_never_per_key(app):
 
     resp = chat(app, FULL)
     assert resp.status_code == 200
-    import ray
+    from tests.integration.local_app import kept_metrics_url
 
-    port = ray._private.worker._global_node.metrics_export_port
-    text = scrape_until(f"http://127.0.0.1:{port}/metrics",
+    text = scrape_until(kept_metrics_url(),
                         [("ray_shunter_key_tokens_total", {"key_id": key_id(FULL), "kind": "completion"})])
     assert 'key_name="full"' in text
     assert FULL not in text and CHAT_ONLY not in text
@@ -208,13 +206,11 @@ def test_a_chat_that_names_no_max_tokens_gets_the_platform_limit(app):
 
 
 def test_keys_and_prompts_stay_out_of_every_log(app):
-    import ray
-
     request_id = f"leak-scan-{uuid.uuid4().hex}"  # logged by design: the scan's positive control
     resp = chat(app, FULL, messages=[{"role": "user", "content": f"Say {PROMPT_MARKER}"}],
                 headers={"X-Request-ID": request_id})
     assert resp.status_code == 200
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    logs = ray_session_dir() / "logs"
     deadline, leaks, traced = time.monotonic() + 30, [], []
     while not traced and time.monotonic() < deadline:  # log lines reach their files within moments
         leaks, traced = [], []
