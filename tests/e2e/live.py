@@ -1,9 +1,8 @@
-"""Helpers for the e2e tests: the shipped config, free ports, readiness polling, a live app's clients,
+"""Helpers for the e2e tests: the shipped config, readiness polling, a live app's clients,
 Prometheus scrapes, replica counts."""
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +44,6 @@ def assert_capital(answer: str, base_url: str, model: str = CHAT_MODEL, max_toke
             "model": model, "max_tokens": max_tokens, "temperature": 0, "prompt": completion_prompt})
         greedy = resp.json()["choices"][0]["text"]
     assert answer == greedy, f"neither Paris nor the engine's own greedy answer: {answer!r} vs {greedy!r}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_app_args() -> dict[str, Any]:

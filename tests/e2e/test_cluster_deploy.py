@@ -20,7 +20,9 @@ import psutil
 import pytest
 import yaml
 
-from .live import CAPITAL_QUESTION, CHAT_MODEL, LOCAL_CONFIG, assert_capital, free_port, wait_ready
+from shunter.local_serve import free_port
+
+from .live import CAPITAL_QUESTION, CHAT_MODEL, LOCAL_CONFIG, assert_capital, wait_ready
 
 BIN = Path(sys.executable).parent
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.live import free_port, wait_ready
+from shunter.local_serve import free_port
+from tests.e2e.live import wait_ready
 from tests.integration.local_app import local_app
 from tests.otlp_receiver import OTLPReceiver
 from tests.rollout_client import start_rollout, wait_done

@@ -19,7 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from .live import CAPITAL_QUESTION, LiveApp, assert_capital, free_port, wait_ready
+from shunter.local_serve import free_port
+
+from .live import CAPITAL_QUESTION, LiveApp, assert_capital, wait_ready
 
 pytestmark = pytest.mark.own_cluster
 

@@ -23,7 +23,9 @@ import psutil
 import pytest
 import yaml
 
-from .live import CHAT_MODEL, LOCAL_CONFIG, free_port, wait_ready
+from shunter.local_serve import free_port
+
+from .live import CHAT_MODEL, LOCAL_CONFIG, wait_ready
 
 SHUNTER = Path(sys.executable).parent / "shunter"
 DRAIN_TIMEOUT_S = 120  # far above what the stream needs, so stopping early shows the drain ended when idle

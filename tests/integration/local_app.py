@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.live import free_port
+from shunter.local_serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
@@ -39,7 +39,7 @@ def stop_kept_cluster() -> None:
         ray.shutdown()
 
 
-def _start(env: dict[str, str] | None, metrics_port: int | None, host: str) -> int:
+def _start(metrics_port: int | None, host: str) -> int:
     """Start Ray and Serve in this process; returns Serve's HTTP port."""
     import ray
     from ray import serve
@@ -47,7 +47,7 @@ def _start(env: dict[str, str] | None, metrics_port: int | None, host: str) -> i
     extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     # Replica processes import the fake engine from the repository's tests package.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}}, **extra)
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **extra)
     try:
         port = free_port()
         serve.start(http_options={"host": host, "port": port})
@@ -58,9 +58,8 @@ def _start(env: dict[str, str] | None, metrics_port: int | None, host: str) -> i
 
 
 @contextmanager
-def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None,
-              metrics_port: int | None = None, blocking: bool = True, host: str = "127.0.0.1",
-              keep_cluster: bool = False) -> Iterator[str]:
+def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, blocking: bool = True,
+              host: str = "127.0.0.1", keep_cluster: bool = False) -> Iterator[str]:
     """Serve the Shunter config `args` as app `name` on a free port; yields its base URL.
 
     `blocking=False` returns before the app is RUNNING (for apps with a model that never starts).
@@ -71,13 +70,13 @@ def local_app(args: dict[str, Any], name: str, env: dict[str, str] | None = None
     from deployments.app import assemble
     from shunter.config import parse_config
 
-    settings = (sorted((env or {}).items()), metrics_port, host)
+    settings = (metrics_port, host)
     if keep_cluster and _kept.get("settings") == settings and ray.is_initialized():
         for other in list(serve.status().applications):  # one app at a time: they would share the cores
             serve.delete(other)
     else:
         stop_kept_cluster()
-        port = _start(env, metrics_port or (free_port() if keep_cluster else None), host)
+        port = _start(metrics_port or (free_port() if keep_cluster else None), host)
         if keep_cluster:
             _kept.update(settings=settings, port=port, generation=next(_generations))
         else:

@@ -32,5 +32,6 @@ def test_the_placement_benchmark_runs_and_the_stage_first_side_never_splits_a_st
     for row in rows:
         assert row["trials"] == TRIALS
         assert row["staged_split"] == 0, f"a stage-first placement split a stage: {row}"
+    assert sum(r["trials"] - r["staged_unplaced"] for r in rows) > 0, "the stage-first side placed nothing"
     report = (tmp_path / "docs" / "benchmarks-placement.md").read_text()
     assert f"| TP 8 x PP 2 | {TRIALS} |" in report and report.strip() in done.stdout

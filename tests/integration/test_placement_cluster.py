@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.live import free_port, wait_ready
+from shunter.local_serve import free_port
+from tests.e2e.live import wait_ready
 from tests.integration.local_app import FACTORY, ROOT
 
 pytestmark = pytest.mark.own_cluster
