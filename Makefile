@@ -69,7 +69,7 @@ lint: install ## ruff over the code
 	$(BIN)/ruff check platform deployments routing ops tests
 
 dashboards: install ## Regenerate ops/grafana/ from ops/dashboards (make dashboards; CI checks it is current)
-	$(BIN)/python -m ops.dashboards
+	$(BIN)/python -m shunter.ops.dashboards
 
 check-config: install ## Validate CONFIG and print the resolved Shunter config
 	$(BIN)/shunter config check $(CONFIG)

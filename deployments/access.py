@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.parsed_request import ParsedRequest
-from ops.quotas import KeyQuota, estimate_prompt_tokens
 from shunter.auth import ANONYMOUS, Caller, KeyRing, bearer_token
 from shunter.config import LimitsConfig, ShunterConfig
+from shunter.deployments.parsed_request import ParsedRequest
 from shunter.errors import ApiError
 from shunter.metric_catalog import build
+from shunter.ops.quotas import KeyQuota, estimate_prompt_tokens
 from shunter.ray_metrics import LazyMetrics
 
 log = logging.getLogger("ray.serve")

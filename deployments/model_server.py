@@ -27,10 +27,10 @@ from typing import Any
 
 from ray import serve
 
-from deployments.replica_telemetry import EngineMetrics, traced
-from ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
+from shunter.deployments.replica_telemetry import EngineMetrics, traced
 from shunter.errors import error_body
+from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint, Working
 from shunter.tracing import correlate_logs, setup_tracing
 
@@ -53,9 +53,9 @@ class ModelServer:
         """`model` is the model as this version serves it (`ModelConfig.for_version`). `engine_factory`
         ("module:callable", same signature as VLLMEngine.start) is a test seam for fault-injecting engines;
         production apps always run vLLM."""
-        from deployments.engine_placement import engine_group
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores, node_cores
+        from shunter.deployments.engine_placement import engine_group
         from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
         from shunter.placement import EngineLayout
 
@@ -207,7 +207,7 @@ class ModelServer:
         }
 
     def retire(self, route: RouteHint | None, within_s: float | None, not_before_s: float | None) -> dict[str, Any]:
-        """An operator drains this replica (a pinned call; see deployments.replica_admin). From
+        """An operator drains this replica (a pinned call; see shunter.deployments.replica_admin). From
         `not_before_s` on, once the engine holds no request or `within_s` has passed, the health check
         fails and Ray Serve replaces the replica, stopping it gracefully. `within_s` None cancels."""
         now = time.monotonic()

@@ -2,7 +2,7 @@
 
 These models document the API and drive schema-based fuzzing; they do not validate requests. The
 gateway reads bodies itself (so its errors stay OpenAI-shaped and its size limits hold before parsing)
-and parses them with vLLM's own request models (deployments.parsed_request), as the replica does again. Fields list the common OpenAI
+and parses them with vLLM's own request models (shunter.deployments.parsed_request), as the replica does again. Fields list the common OpenAI
 parameters; others vLLM accepts pass through (`extra="allow"`).
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.admin_schema import ADMIN_BODIES
+from shunter.deployments.admin_schema import ADMIN_BODIES
 
 _REF = "#/components/schemas/{model}"
 

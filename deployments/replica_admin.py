@@ -1,7 +1,7 @@
 """Draining one replica on an operator's word: the admin API's `replicas` endpoints.
 
-A drain cordons the replica in the cluster's control state (`ops.control`), so the routers of every
-gateway send it nothing new while another replica of its version can take it (`routing.routers`).
+A drain cordons the replica in the cluster's control state (`shunter.ops.control`), so the routers of every
+gateway send it nothing new while another replica of its version can take it (`shunter.routing.routers`).
 Unless the operator says otherwise, the replica is also told to retire. Once it holds no request (or
 the drain timeout has passed), its health check fails and Ray Serve replaces it, stopping it through
 its graceful shutdown. Nothing it holds is cut: requests in flight finish there, and Serve's graceful
@@ -23,11 +23,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ops.control import LastReplica, cordoned
-from routing.state import DeploymentRouting
 from shunter.config import ModelConfig
 from shunter.errors import ApiError
+from shunter.ops.control import LastReplica, cordoned
 from shunter.replica_protocol import RouteHint
+from shunter.routing.state import DeploymentRouting
 
 log = logging.getLogger("ray.serve")
 

@@ -15,8 +15,12 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from deployments.telemetry import choice_text
-from routing.tiers import (
+from shunter.config import ShunterConfig, TiersConfig
+from shunter.deployments.telemetry import choice_text
+from shunter.errors import ApiError
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+from shunter.routing.tiers import (
     AgreementMonitor,
     Decision,
     NoTierAllowed,
@@ -25,10 +29,6 @@ from routing.tiers import (
     cosine,
     features,
 )
-from shunter.config import ShunterConfig, TiersConfig
-from shunter.errors import ApiError
-from shunter.metric_catalog import build
-from shunter.ray_metrics import LazyMetrics
 
 log = logging.getLogger("ray.serve")
 

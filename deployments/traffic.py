@@ -1,9 +1,9 @@
 """The gateway's live picture of each model's versions: traffic weights, which versions run, whether a
 rollout is under way, and the request outcomes that rollout's gates judge.
 
-The picture is refreshed from the cluster's control state (`ops.control`, Ray's key-value store) once
+The picture is refreshed from the cluster's control state (`shunter.ops.control`, Ray's key-value store) once
 a second, off the request path; a request only reads it. The same read hands the replicas an operator
-drains to the routers (`deployments.replica_admin`). Until the first read, and whenever the store
+drains to the routers (`shunter.deployments.replica_admin`). Until the first read, and whenever the store
 holds nothing newer for a model's current config, the config file's weights stand.
 """
 
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ops.control import ModelView, control, model_view, read_state
-from ops.metrics import traffic_weight
 from shunter.config import ModelConfig, ShunterConfig
+from shunter.ops.control import ModelView, control, model_view, read_state
+from shunter.ops.metrics import traffic_weight
 
 log = logging.getLogger("ray.serve")
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ops import metrics
+from shunter.ops import metrics
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,10 @@ def queue_depth(ctx: Any) -> float:
 class QueueDepthPolicy:
     """Ray Serve autoscaling policy (`autoscaling_config.policy.policy_function`); Ray builds it once
     with `policy_kwargs` (the model's name and the ScalingSettings fields) and calls it on every
-    autoscaling tick, in the Serve controller. Each decision is exported (see `ops.metrics`).
+    autoscaling tick, in the Serve controller. Each decision is exported (see `shunter.ops.metrics`).
 
     For one version of a versioned model, `versioning` names the version; whether it runs at all is then
-    live state (`ops.control`): a retired version is held at 0 replicas, a live one is scaled as the
+    live state (`shunter.ops.control`): a retired version is held at 0 replicas, a live one is scaled as the
     settings say. That state is read from the cluster's key-value store at most every
     `LIVE_STATE_TTL_S` (this runs inside Ray's control loop, which must not wait)."""
 
@@ -165,7 +165,7 @@ class QueueDepthPolicy:
         v = self.versioning
         live = v["live_at_start"]
         try:
-            from ops.control import live_entry, read_state
+            from shunter.ops.control import live_entry, read_state
 
             entry = live_entry(read_state(app), v["model"], v["fingerprint"])
             if entry is not None:

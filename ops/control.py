@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 import ray
 
-from ops import metrics
-from ops.rollout import (
+from shunter.ops import metrics
+from shunter.ops.rollout import (
     Gates,
     Phase,
     RemoveVersion,
@@ -173,7 +173,7 @@ class LastReplica(ValueError):
 class ShunterControl:
     """One per application, run as a Ray actor by `control`; the class itself needs no Ray, so the unit
     tests drive it directly (`store`, `clock` and `_status` are their seams). `context` arguments describe
-    a model as the gateway's config has it (see `deployments.traffic.LiveVersions.context`): the actor
+    a model as the gateway's config has it (see `shunter.deployments.traffic.LiveVersions.context`): the actor
     holds no config of its own."""
 
     def __init__(self, app: str, tick_s: float = TICK_S, store: Store | None = None,
@@ -391,7 +391,7 @@ class ShunterControl:
         live = set(entry["live"]) if entry else {spec.old}
         weights = [[v, float(w)] for v, w in entry["weights"]] if entry else [[spec.old, 100.0]]
         for action in actions:
-            if isinstance(action, SetWeights):  # the incoming version first: see routing.versions
+            if isinstance(action, SetWeights):  # the incoming version first: see shunter.routing.versions
                 weights = [[spec.new, float(action.weights[spec.new])], [spec.old, float(action.weights[spec.old])]]
             elif isinstance(action, RemoveVersion):
                 live.discard(action.version)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ops import metrics
+from shunter.ops import metrics
 
 RAY_KILL_MARGIN_S = 30.0
 # How often a leaving replica looks for ongoing requests (Ray's graceful_shutdown_wait_loop_s). Ray's

@@ -1,7 +1,7 @@
 """Any Ray Serve RequestRouter, by import path, behind Shunter's guard (policy `custom`).
 
 Ray Serve takes a router as an import path and re-imports it, so the guarded class must be importable
-by name. `guarded_path("pkg.mod:Router")` returns `routing.custom:G_<hex of the path>`; importing that
+by name. `guarded_path("pkg.mod:Router")` returns `shunter.routing.custom:G_<hex of the path>`; importing that
 attribute (module `__getattr__`) imports the user's class and builds `Guarded<Router>(ShunterGuard,
 Router)` once per process. The hex spelling keeps any import path a valid, reversible identifier.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from routing.routers import ShunterGuard
+from shunter.routing.routers import ShunterGuard
 
 _PREFIX = "G_"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from routing.prefix import PrefixKey
+from shunter.routing.prefix import PrefixKey
 
 PREFIX_HIT = "prefix_hit"  # the chosen replica holds the longest cached prefix of any candidate
 LOAD_FALLBACK = "load_fallback"  # some replica held more of the prefix, load sent the request elsewhere

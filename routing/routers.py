@@ -8,10 +8,10 @@ Every policy runs behind `ShunterGuard`, which owns what must hold whatever the 
   and a replica that leaves or dies is forgotten at once.
 
 Policies:
-- `PrefixAwareRouter` ranks by the cost model in `routing.policy` (cached prefix vs load);
+- `PrefixAwareRouter` ranks by the cost model in `shunter.routing.policy` (cached prefix vs load);
 - `LeastConnectionsRouter` ranks by requests in flight;
 - `PowerOfTwoRouter` is Ray Serve's default policy behind the guard;
-- any other Ray RequestRouter runs behind the guard too (policy `custom`, see `routing.custom`).
+- any other Ray RequestRouter runs behind the guard too (policy `custom`, see `shunter.routing.custom`).
 
 Load is the larger of two counts: this process's own (requests it has in flight on the replica, plus
 those a router just chose it for and is still sending: a burst is routed concurrently, so a choice must
@@ -30,8 +30,10 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from routing import metrics
-from routing.policy import (
+from shunter.config import DEFAULT_VERSION, RoutingConfig
+from shunter.replica_protocol import ReplicaRequest, find_hint
+from shunter.routing import metrics
+from shunter.routing.policy import (
     LEAST_LOADED,
     LOAD_FALLBACK,
     PREFIX_HIT,
@@ -39,10 +41,8 @@ from routing.policy import (
     rank_least_connections,
     rank_prefix_aware,
 )
-from routing.prefix import prefix_key, render_prompt
-from routing.state import DeploymentRouting, deployment_key, routing_state
-from shunter.config import DEFAULT_VERSION, RoutingConfig
-from shunter.replica_protocol import ReplicaRequest, find_hint
+from shunter.routing.prefix import prefix_key, render_prompt
+from shunter.routing.state import DeploymentRouting, deployment_key, routing_state
 
 log = logging.getLogger("ray.serve")
 
@@ -189,7 +189,7 @@ class LeastConnectionsRouter(ShunterGuard, RequestRouter):
 
 
 class PrefixAwareRouter(ShunterGuard, RequestRouter):
-    """Cached prefix against load, by the cost model of `routing.policy.rank_prefix_aware`."""
+    """Cached prefix against load, by the cost model of `shunter.routing.policy.rank_prefix_aware`."""
 
     policy_name = "prefix_aware"
 

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from routing import metrics
-from routing.breaker import BreakerBoard, BreakerState
-from routing.prefix import PrefixIndex
 from shunter.config import DEFAULT_VERSION, RoutingConfig
+from shunter.routing import metrics
+from shunter.routing.breaker import BreakerBoard, BreakerState
+from shunter.routing.prefix import PrefixIndex
 
 log = logging.getLogger("ray.serve")
 

@@ -1,7 +1,7 @@
-"""`python -m ops.dashboards [--check | --list]`: see ops.dashboards.generate."""
+"""`python -m shunter.ops.dashboards [--check | --list]`: see shunter.ops.dashboards.generate."""
 
 import sys
 
-from ops.dashboards.generate import main
+from shunter.ops.dashboards.generate import main
 
 sys.exit(main())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ops.dashboards.builder import (
+from shunter import metric_catalog
+from shunter.ops.dashboards.builder import (
     Json,
     Query,
     Row,
@@ -23,7 +24,7 @@ from ops.dashboards.builder import (
     state_timeline,
     timeseries,
 )
-from ops.dashboards.queries import (
+from shunter.ops.dashboards.queries import (
     MODEL,
     MODEL_VERSION,
     error_ratio,
@@ -38,8 +39,7 @@ from ops.dashboards.queries import (
     series,
     share,
 )
-from ops.metrics import ROLLOUT_PHASES
-from shunter import metric_catalog
+from shunter.ops.metrics import ROLLOUT_PHASES
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -50,7 +50,7 @@ SLO_TTFT_DEFAULT = 1.0
 SLO_E2E_CHOICES = (10.0, 20.0, 40.0, 60.0)
 SLO_E2E_DEFAULT = 20.0
 
-# Placement reasons of the prefix-aware policy (routing.policy), named here because ops/ does not
+# Placement reasons of the prefix-aware policy (shunter.routing.policy), named here because ops/ does not
 # import routing/; the unit tests hold them to routing's constants.
 PLACEMENT_REASONS = ("prefix_hit", "load_fallback", "least_loaded")
 BREAKER_SKIP, RETRY = "breaker_skip", "retry"

@@ -66,7 +66,7 @@ def slo_values(board: Mapping) -> dict[str, str]:
 
 def dashboard_metric_names(board: Mapping) -> set[str]:
     """Every metric name a dashboard's panels and template variables query."""
-    from ops.dashboards.builder import panels_of
+    from shunter.ops.dashboards.builder import panels_of
 
     used: set[str] = set()
     for panel in panels_of(dict(board)):

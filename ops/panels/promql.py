@@ -7,7 +7,7 @@ queries are just instant queries repeated per step.
 
 Semantics follow Prometheus where they matter for panels (lookback, label matching, which operations
 drop the metric name, `histogram_quantile`'s interpolation, division by zero giving Inf/NaN). Known
-departures are listed in the package docstring (`ops.panels`); anything outside the subset raises
+departures are listed in the package docstring (`shunter.ops.panels`); anything outside the subset raises
 `UnsupportedPromQL` naming the construct, never a silently wrong number.
 """
 
@@ -25,7 +25,7 @@ from itertools import pairwise
 
 import promql_parser as pp
 
-from ops.panels.scrape import Labels, Point, SampleStore, freeze_labels
+from shunter.ops.panels.scrape import Labels, Point, SampleStore, freeze_labels
 
 LOOKBACK_S = 300.0  # an instant selector sees the latest sample at most this old, as in Prometheus
 NAME = "__name__"
@@ -39,7 +39,7 @@ class UnsupportedPromQL(PromQLError):
     """Valid PromQL outside this evaluator's subset; `construct` (and the message) names what it was."""
 
     def __init__(self, construct: str) -> None:
-        super().__init__(f"unsupported PromQL: {construct} (ops.panels.promql implements a subset)")
+        super().__init__(f"unsupported PromQL: {construct} (shunter.ops.panels.promql implements a subset)")
         self.construct = construct
 
 

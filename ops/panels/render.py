@@ -1,7 +1,7 @@
 """Draw a Grafana dashboard's panels to one PNG, from scraped samples instead of a Grafana server.
 
 Each chosen panel's queries are interpolated (dashboard variables, `$__rate_interval`) and evaluated
-over the scrapes' time span by `ops.panels.promql`, then drawn with matplotlib: time series as lines,
+over the scrapes' time span by `shunter.ops.panels.promql`, then drawn with matplotlib: time series as lines,
 stat and gauge panels as their reduced value over a faint sparkline, bar gauges as horizontal bars.
 The result is an approximation of what Grafana would show, good enough for a README screenshot and
 for seeing at a glance that the dashboards' queries return data; it is not a Grafana clone.
@@ -23,8 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ops.panels.promql import evaluate_range, format_duration, interpolate, step_times
-from ops.panels.scrape import SampleStore
+from shunter.ops.panels.promql import evaluate_range, format_duration, interpolate, step_times
+from shunter.ops.panels.scrape import SampleStore
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Time series built from repeated scrapes of a Prometheus text endpoint, kept in memory.
 
 This stands in for Prometheus's storage during `make demo`: a thread scrapes Ray's metrics exporter
-every couple of seconds, and the PromQL evaluator (`ops.panels.promql`) reads the result. Samples are
+every couple of seconds, and the PromQL evaluator (`shunter.ops.panels.promql`) reads the result. Samples are
 stamped with the time of the scrape, not with any timestamp in the exposition (Ray writes none), so
 every series of one scrape shares one instant, just as Prometheus stores them.
 """

@@ -1,7 +1,7 @@
 """Every metric Shunter exports: name, kind, labels, buckets and meaning, in one place.
 
-The recording code (`routing.metrics`, `ops.metrics`, `deployments.telemetry`) builds its Ray metrics from
-these specs, and the dashboard generator (`ops.dashboards`) writes queries against them. Ray exports
+The recording code (`shunter.routing.metrics`, `shunter.ops.metrics`, `shunter.deployments.telemetry`) builds its Ray metrics from
+these specs, and the dashboard generator (`shunter.ops.dashboards`) writes queries against them. Ray exports
 each with a `ray_` prefix (`shunter_requests_total` is scraped as `ray_shunter_requests_total`), adds
 its own labels (`WorkerId`, `NodeAddress`, `SessionName`, ...) and, for histograms, the
 `_bucket`/`_sum`/`_count` series. A dashboard test scrapes a live app to prove the names below are

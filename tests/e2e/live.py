@@ -158,8 +158,8 @@ class LiveApp:
     def model_handle(self, model: str):
         from ray import serve
 
-        from deployments.app import deployment_name
         from shunter.config import parse_config
+        from shunter.deployments.app import deployment_name
 
         cfg = parse_config(local_app_args())
         return serve.get_deployment_handle(deployment_name(cfg.find_model(model)), app_name=APP_NAME)

@@ -160,8 +160,8 @@ def test_a_retired_version_drains_its_streams_within_the_drain_timeout(live):
 
 
 def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
-    from ops.dashboards.dashboards import all_dashboards
-    from ops.dashboards.promql_names import allowed_external_metrics, dashboard_metric_names
+    from shunter.ops.dashboards.dashboards import all_dashboards
+    from shunter.ops.dashboards.promql_names import allowed_external_metrics, dashboard_metric_names
 
     wanted = set().union(*(dashboard_metric_names(board) for board in all_dashboards()))
     external = set(allowed_external_metrics())

@@ -78,7 +78,7 @@ class Cluster:
     def serve(self, models: list[dict]) -> LiveApp:
         from ray import serve
 
-        from deployments.app import build_app
+        from shunter.deployments.app import build_app
 
         serve.delete(APP)  # frees the cores before the next app claims them
         serve.run(build_app({"models": models}), name=APP, route_prefix="/")
@@ -159,8 +159,8 @@ def test_pipeline_parallel_2_answers_as_one_rank_does(cluster):
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_anything_starts(cluster):
-    from deployments.app import build_app
     from shunter.config import ConfigError
+    from shunter.deployments.app import build_app
 
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 does not divide the model's 9 attention heads"):
         build_app({"models": [_model("smol", SMOL, 2, tp=2)]})

@@ -67,8 +67,8 @@ def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, 
     import ray
     from ray import serve
 
-    from deployments.app import assemble
     from shunter.config import parse_config
+    from shunter.deployments.app import assemble
 
     settings = (metrics_port, host)
     if keep_cluster and _kept.get("settings") == settings and ray.is_initialized():

@@ -21,7 +21,7 @@ CONTEXT = {"model": "smol", "fingerprint": "f1", "versions": ["v1", "v2"], "file
 WRITER = f"""
 import sys
 import ray
-from ops.control import control
+from shunter.ops.control import control
 
 ray.init(address=sys.argv[1], namespace="writer")
 ray.get(control("app1").set_weights.remote({CONTEXT!r}, [("v2", 10), ("v1", 90)]))
@@ -43,7 +43,7 @@ def gcs_address() -> Iterator[str]:
 def test_state_written_by_a_process_that_ended_survives_the_actor_dying(gcs_address):
     import ray
 
-    from ops.control import NAMESPACE, RolloutRefused, actor_name, control, model_view, read_state
+    from shunter.ops.control import NAMESPACE, RolloutRefused, actor_name, control, model_view, read_state
 
     # Another process (like a CLI) writes, then exits. `ray.init` turned token auth on.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "token"}

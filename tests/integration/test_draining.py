@@ -106,8 +106,8 @@ def _replicas_serving(base: str, requests: int = 8) -> set[str]:
 def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_timeout(app):
     from ray import serve
 
-    from deployments.app import assemble
     from shunter.config import parse_config
+    from shunter.deployments.app import assemble
 
     base, metrics_url = app
     before = _replicas_serving(base)

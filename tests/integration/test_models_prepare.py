@@ -30,7 +30,7 @@ PREPARING = "preparing "  # the conversion's progress bar, on stderr, shown only
 def _config(tmp_path: Path, cache: Path) -> Path:
     path = tmp_path / "prepare.yaml"
     path.write_text(yaml.safe_dump({"applications": [{
-        "name": "shunter", "route_prefix": "/", "import_path": "deployments.app:build_app",
+        "name": "shunter", "route_prefix": "/", "import_path": "shunter.deployments.app:build_app",
         "args": {"model_cache_dir": str(cache), "models": [
             {"name": "smol", "source": "builtin:smollm2-135m-instruct"},
             {"name": "minilm", "source": "builtin:all-minilm-l6-v2", "task": "embed"}]}}]}))
@@ -90,7 +90,7 @@ def test_a_killed_preparer_leaves_nothing_then_two_at_once_convert_once_and_a_th
 def test_a_config_with_an_unknown_builtin_is_refused_before_anything_runs(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"applications": [{
-        "name": "shunter", "route_prefix": "/", "import_path": "deployments.app:build_app",
+        "name": "shunter", "route_prefix": "/", "import_path": "shunter.deployments.app:build_app",
         "args": {"models": [{"name": "x", "source": "builtin:no-such-model"}]}}]}))
     proc = subprocess.run([sys.executable, "-m", "shunter.cli", "models", "prepare", str(path)],
                           capture_output=True, text=True, timeout=120)

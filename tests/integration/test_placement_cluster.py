@@ -43,8 +43,8 @@ def cluster() -> Iterator[dict]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from deployments.app import assemble
     from shunter.config import parse_config
+    from shunter.deployments.app import assemble
 
     sim = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     gpu_nodes = [sim.add_node(num_cpus=1, num_gpus=gpus) for gpus in GPUS_PER_NODE]
@@ -97,8 +97,8 @@ def test_the_cluster_is_used_as_the_planner_planned_it(cluster):
     3-GPU node keeps a spare GPU. The pure planner, given the same nodes, makes the same split."""
     import ray
 
-    from deployments.app import ClusterView, check_placement
     from shunter.config import parse_config
+    from shunter.deployments.app import ClusterView, check_placement
     from shunter.placement import NodeSpec
 
     used = {node: 0 for node in cluster["gpus_of"]}

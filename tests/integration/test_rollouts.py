@@ -74,7 +74,7 @@ def _cli(app: str, *args: str) -> subprocess.Popen:
 def test_killing_the_cli_and_the_control_actor_mid_rollout_loses_nothing(app, load):
     import ray
 
-    from ops.control import NAMESPACE, actor_name
+    from shunter.ops.control import NAMESPACE, actor_name
 
     serving = httpx.get(f"{app}/admin/rollouts/{MODEL}", timeout=30).json()["live"][0]
     other = "v1" if serving == "v2" else "v2"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate
+from shunter.ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate
 from tests.unit.fake_clock import Clock
 
 

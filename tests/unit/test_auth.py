@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.access import AccessControl
-from deployments.parsed_request import parse
 from shunter.auth import KeyRing, KeySourceError, bearer_token, digest, key_id, new_key, read_key
 from shunter.config import ConfigError, KeySourceConfig, parse_config
+from shunter.deployments.access import AccessControl
+from shunter.deployments.parsed_request import parse
 from shunter.errors import ApiError
 
 KEY_A = "sk-team-a-0123456789abcdef"
@@ -212,7 +212,7 @@ def test_config_check_refuses_a_key_set_in_the_apps_runtime_env(tmp_path):
     path.write_text(textwrap.dedent(f"""
         applications:
           - name: x
-            import_path: deployments.app:build_app
+            import_path: shunter.deployments.app:build_app
             runtime_env: {{env_vars: {{TEAM_KEY: {KEY_A}}}}}
             args:
               models: [{{name: m, source: "builtin:smollm2-135m-instruct"}}]

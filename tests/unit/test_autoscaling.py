@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.autoscaling import ScalingSettings, ScalingState, decide, replicas_needed
+from shunter.ops.autoscaling import ScalingSettings, ScalingState, decide, replicas_needed
 
 S = ScalingSettings(min_replicas=1, max_replicas=4, target_per_replica=8, upscale_delay_s=5, downscale_delay_s=30)
 
@@ -96,7 +96,7 @@ def _ctx(current: int, engine: dict | None, queued: float = 0, total: float = 0,
 
 
 def test_policy_reads_the_engines_queues_plus_requests_queued_ahead():
-    from ops.autoscaling import QueueDepthPolicy, queue_depth
+    from shunter.ops.autoscaling import QueueDepthPolicy, queue_depth
 
     assert queue_depth(_ctx(2, {"a": 10, "b": 7}, queued=5, total=99)) == 22
     assert queue_depth(_ctx(2, None, total=9)) == 9, "before replicas report, Ray's own count stands in"
@@ -121,9 +121,9 @@ def test_autoscaling_config_excludes_a_fixed_count_and_checks_bounds():
 def test_plan_hands_ray_the_queue_depth_policy_and_plans_cores_for_the_maximum():
     from ray import serve
 
-    from deployments.app import ClusterView, plan_deployments
-    from deployments.model_server import ModelServer
     from shunter.config import parse_config
+    from shunter.deployments.app import ClusterView, plan_deployments
+    from shunter.deployments.model_server import ModelServer
 
     cfg = parse_config({"models": [{"name": "s", "source": "builtin:smollm2-135m-instruct",
                                     "autoscaling": {"min_replicas": 0, "max_replicas": 2}}]})
@@ -132,7 +132,7 @@ def test_plan_hands_ray_the_queue_depth_policy_and_plans_cores_for_the_maximum()
     assert "num_replicas" not in options and plan["cpu_cores"] == 1, "two replicas may run: one core each"
     scaling = options["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (0, 2, 1)
-    assert scaling["policy"]["policy_function"] == "ops.autoscaling:QueueDepthPolicy"
+    assert scaling["policy"]["policy_function"] == "shunter.ops.autoscaling:QueueDepthPolicy"
     serve.deployment(ModelServer).options(**options)  # Ray's own schema accepts it (and imports the policy)
 
 
@@ -153,7 +153,7 @@ def test_a_count_outside_the_bounds_moves_inside_at_once():
 
 def test_policy_holds_at_the_target_ray_is_moving_to():
     """A replica that is starting counts: holding at the running count would cancel it."""
-    from ops.autoscaling import QueueDepthPolicy
+    from shunter.ops.autoscaling import QueueDepthPolicy
 
     policy = QueueDepthPolicy(min_replicas=1, max_replicas=3, target_per_replica=8, upscale_delay_s=5,
                               downscale_delay_s=30)
@@ -166,7 +166,7 @@ def test_policy_holds_at_the_target_ray_is_moving_to():
 def test_no_scale_down_while_a_replica_is_still_starting():
     """A min-0 model's first replica (or one started for a burst that passed) is not stopped mid-start;
     the downscale delay counts from when every replica runs."""
-    from ops.autoscaling import QueueDepthPolicy
+    from shunter.ops.autoscaling import QueueDepthPolicy
 
     policy = QueueDepthPolicy(model="m", min_replicas=0, max_replicas=2, target_per_replica=8, upscale_delay_s=5,
                               downscale_delay_s=5)
@@ -186,7 +186,7 @@ def test_no_scale_down_while_a_replica_is_still_starting():
 
 
 def test_a_replica_that_never_starts_does_not_pin_the_count_up():
-    from ops.autoscaling import MAX_START_HOLD_S, ScalingState, decide
+    from shunter.ops.autoscaling import MAX_START_HOLD_S, ScalingState, decide
 
     state = ScalingState()
     settings = S

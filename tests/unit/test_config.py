@@ -140,7 +140,7 @@ def test_cli_config_check_rejects_a_bad_file(tmp_path):
     bad.write_text(textwrap.dedent("""
         applications:
           - name: x
-            import_path: deployments.app:build_app
+            import_path: shunter.deployments.app:build_app
             args:
               models:
                 - name: m

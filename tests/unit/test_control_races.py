@@ -10,7 +10,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from ops.control import ShunterControl, read_state
+from shunter.ops.control import ShunterControl, read_state
 from tests.unit.fake_clock import Clock
 
 ROLLOUT = {"steps": [10, 50, 100], "hold_s": 30, "max_hold_s": 120, "ready_timeout_s": 300, "gates": {}}

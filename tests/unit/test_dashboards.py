@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.dashboards import builder, generate
-from ops.dashboards.builder import Query, Row, panels_of
-from ops.dashboards.dashboards import BREAKER_SKIP, PLACEMENT_REASONS, RETRY, all_dashboards
-from ops.dashboards.promql_names import (
+from shunter import metric_catalog
+from shunter.ops.dashboards import builder, generate
+from shunter.ops.dashboards.builder import Query, Row, panels_of
+from shunter.ops.dashboards.dashboards import BREAKER_SKIP, PLACEMENT_REASONS, RETRY, all_dashboards
+from shunter.ops.dashboards.promql_names import (
     allowed_external_metrics,
     base_name,
     dashboard_metric_names,
@@ -28,10 +29,9 @@ from ops.dashboards.promql_names import (
     slo_values,
     variable_query_metric_names,
 )
-from ops.metrics import ROLLOUT_PHASES
-from ops.rollout import Gates, WindowStats, evaluate_gates
-from routing import policy
-from shunter import metric_catalog
+from shunter.ops.metrics import ROLLOUT_PHASES
+from shunter.ops.rollout import Gates, WindowStats, evaluate_gates
+from shunter.routing import policy
 
 ROOT = generate.REPO_ROOT
 ALLOW_LIST = ROOT / "ops" / "grafana" / "allowed_external_metrics.txt"
@@ -217,8 +217,8 @@ def test_slo_variables_offer_real_bucket_boundaries():
 
 
 def test_routing_reasons_are_routings_own():
-    from routing.routers import BREAKER_SKIP as ROUTER_BREAKER_SKIP
-    from routing.routers import RETRY as ROUTER_RETRY
+    from shunter.routing.routers import BREAKER_SKIP as ROUTER_BREAKER_SKIP
+    from shunter.routing.routers import RETRY as ROUTER_RETRY
 
     assert PLACEMENT_REASONS == (policy.PREFIX_HIT, policy.LOAD_FALLBACK, policy.LEAST_LOADED)
     assert (BREAKER_SKIP, RETRY) == (ROUTER_BREAKER_SKIP, ROUTER_RETRY)

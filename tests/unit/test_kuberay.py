@@ -87,7 +87,7 @@ def test_the_multi_model_config_gets_its_gpu_nodes_and_a_cpu_group_for_embedding
 
 
 def test_without_a_cluster_section_pods_are_sized_by_the_largest_stage():
-    raw = {"applications": [{"name": "s", "import_path": "deployments.app:build_app", "route_prefix": "/", "args": {
+    raw = {"applications": [{"name": "s", "import_path": "shunter.deployments.app:build_app", "route_prefix": "/", "args": {
         "models": [{"name": "big", "source": "org/big", "accelerator_type": "A100", "replicas": 2,
                     "engine": {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}},
                    {"name": "small", "source": "org/small", "accelerator_type": "A100", "replicas": 3}],

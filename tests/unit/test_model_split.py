@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from deployments.app import ClusterView, check_placement, plan_deployments
 from shunter.config import ConfigError, EngineConfig, parse_config
+from shunter.deployments.app import ClusterView, check_placement, plan_deployments
 from shunter.engine import EngineSpec
 from shunter.engine_checks import engine_problems
 from shunter.model_shape import ModelShape, model_shape, parallel_problems

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.app import ClusterView, deployment_name, plan_deployments
-from ops import autoscaling
-from ops.control import Sample, _short, model_view, window_stats
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.app import ClusterView, deployment_name, plan_deployments
+from shunter.ops import autoscaling
+from shunter.ops.control import Sample, _short, model_view, window_stats
 
 SMOL = "builtin:smollm2-135m-instruct"
 VERSIONED = {"name": "smol", "engine": {"max_num_seqs": 8, "cpu_kv_cache_gib": 2},
@@ -90,7 +90,7 @@ def _ctx(target: int, running: int) -> SimpleNamespace:
 
 def test_the_policy_holds_a_retired_version_at_zero_and_scales_a_live_one(monkeypatch):
     state: dict = {}
-    monkeypatch.setattr("ops.control.read_state", lambda app: state)
+    monkeypatch.setattr("shunter.ops.control.read_state", lambda app: state)
     versioning = {"model": "smol", "version": "v2", "fingerprint": "f1", "live_at_start": False}
     policy = autoscaling.QueueDepthPolicy(model="smol", versioning=versioning, min_replicas=1, max_replicas=1,
                                           target_per_replica=1.0, upscale_delay_s=0, downscale_delay_s=0)
@@ -125,7 +125,7 @@ def test_models_prepare_prepares_every_versions_own_builtin_source(monkeypatch, 
     from shunter.cli import main as shunter
 
     config = tmp_path / "versioned.yaml"
-    config.write_text("applications:\n- name: s\n  import_path: deployments.app:build_app\n  args:\n    models:\n"
+    config.write_text("applications:\n- name: s\n  import_path: shunter.deployments.app:build_app\n  args:\n    models:\n"
                       "    - name: smol\n      versions:\n"
                       f"      - {{name: v1, source: '{SMOL}', weight: 100}}\n"
                       f"      - {{name: v2, source: '{SMOL}'}}\n"

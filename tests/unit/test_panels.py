@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from ops.panels.promql import (
+from shunter.ops.panels.promql import (
     PromQLError,
     UnsupportedPromQL,
     bucket_quantile,
@@ -18,7 +18,7 @@ from ops.panels.promql import (
     evaluate_range,
     interpolate,
 )
-from ops.panels.render import (
+from shunter.ops.panels.render import (
     dashboard_variables,
     display_title,
     evaluate_panel,
@@ -27,7 +27,7 @@ from ops.panels.render import (
     render_all,
     render_dashboard,
 )
-from ops.panels.scrape import SampleStore, freeze_labels, scrape_loop
+from shunter.ops.panels.scrape import SampleStore, freeze_labels, scrape_loop
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_000.0

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app import ClusterView, check_placement, cluster_nodes
 from shunter.cli import main as shunter
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.app import ClusterView, check_placement, cluster_nodes
 from shunter.placement import (
     NODE_ID_LABEL,
     EngineLayout,

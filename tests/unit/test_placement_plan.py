@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app import ClusterView, check_placement, cluster_nodes, plan_deployments
 from shunter.cli import load_app_configs
 from shunter.cli import main as shunter
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.app import ClusterView, check_placement, cluster_nodes, plan_deployments
 from shunter.placement import (
     NODE_ID_LABEL,
     EngineLayout,
@@ -166,7 +166,7 @@ def test_shunter_plan_prints_the_stages_and_fails_on_a_misfit(capsys, tmp_path):
     assert shunter(["plan", str(CONFIGS / "gpu-llama-405b-tp8-pp2.yaml"), "--nodes", "1x8xH100"]) == 1
     assert "one replica needs 16 GPUs (TP 8 x PP 2); the cluster has 8" in capsys.readouterr().out
     bare = tmp_path / "bare.yaml"
-    bare.write_text("applications:\n- name: s\n  import_path: deployments.app:build_app\n  args:\n"
+    bare.write_text("applications:\n- name: s\n  import_path: shunter.deployments.app:build_app\n  args:\n"
                     "    models: [{name: m, source: org/m, accelerator: gpu}]\n")
     with pytest.raises(SystemExit, match="--nodes"):
         shunter(["plan", str(bare)])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.app import ClusterView, deployment_name, plan_deployments
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.app import ClusterView, deployment_name, plan_deployments
 
 SMOL = {"name": "smol", "source": "builtin:smollm2-135m-instruct"}
 MINI = {"name": "mini", "source": "builtin:all-minilm-l6-v2", "task": "embed"}
@@ -50,7 +50,7 @@ def test_deployment_names_are_plain_and_unique():
 
 
 def test_replicas_drain_longer_than_rays_default_and_the_gateway_outlasts_them():
-    from deployments.app import assemble
+    from shunter.deployments.app import assemble
 
     cfg = parse_config({"models": [SMOL, {**MINI, "draining": {"timeout_s": 600}}]})
     plans = plan_deployments(cfg, CPU2)
@@ -101,7 +101,7 @@ def test_cpu_engines_that_cannot_all_start_on_the_node_are_refused_naming_models
 
 
 def test_build_app_refuses_it_before_anything_starts(monkeypatch):
-    from deployments import app
+    from shunter.deployments import app
 
     monkeypatch.setattr(app.ClusterView, "detect", classmethod(lambda cls: CPU2))
     with pytest.raises(ConfigError) as err:
@@ -149,8 +149,8 @@ def test_auto_cores_cover_the_widest_versions_ranks():
 def test_config_check_and_plan_refuse_it_with_the_same_message(monkeypatch, tmp_path, capsys):
     import yaml
 
-    from deployments import app
     from shunter.cli import main as shunter
+    from shunter.deployments import app
 
     here = ClusterView(has_gpus=False, largest_node_cpus=2, cpu_node="this machine")  # what a 2-core machine says
     monkeypatch.setattr(app.ClusterView, "detect", classmethod(lambda cls: here))
@@ -158,7 +158,7 @@ def test_config_check_and_plan_refuse_it_with_the_same_message(monkeypatch, tmp_
     def config(args: dict):
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump({"applications": [
-            {"name": "s", "import_path": "deployments.app:build_app", "args": args}]}))
+            {"name": "s", "import_path": "shunter.deployments.app:build_app", "args": args}]}))
         return str(path)
 
     with pytest.raises(SystemExit) as err:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.access import AccessControl
-from deployments.parsed_request import parse
-from ops.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens
 from shunter.config import parse_config
+from shunter.deployments.access import AccessControl
+from shunter.deployments.parsed_request import parse
 from shunter.errors import ApiError
+from shunter.ops.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens
 
 from .fake_clock import Clock
 

@@ -1,5 +1,5 @@
 """Draining one replica: the cordon kept in the control state, the router guard that honours it, the
-replica's retirement through its health check, and drains that race (deployments.replica_admin): two at
+replica's retirement through its health check, and drains that race (shunter.deployments.replica_admin): two at
 once through one gateway, through two gateways, and a release during a drain."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from deployments.model_server import ModelServer
-from deployments.replica_admin import ReplicaAdmin
-from ops.control import ShunterControl, cordoned, with_cordon
-from routing.routers import LeastConnectionsRouter
-from routing.state import DeploymentRouting
 from shunter.config import RoutingConfig
+from shunter.deployments.model_server import ModelServer
+from shunter.deployments.replica_admin import ReplicaAdmin
 from shunter.errors import ApiError
+from shunter.ops.control import ShunterControl, cordoned, with_cordon
+from shunter.routing.routers import LeastConnectionsRouter
+from shunter.routing.state import DeploymentRouting
 
 
 def test_a_cordon_is_kept_per_deployment_and_forgets_replicas_that_stopped():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ops.rollout import (
+from shunter.ops.rollout import (
     Gates,
     Phase,
     RemoveVersion,

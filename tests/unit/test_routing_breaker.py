@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from routing.breaker import BreakerBoard, BreakerState, CircuitBreaker
 from shunter.config import BreakerConfig
+from shunter.routing.breaker import BreakerBoard, BreakerState, CircuitBreaker
 
 CLOSED, HALF_OPEN, OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
 

@@ -6,9 +6,9 @@ import importlib
 
 import pytest
 
-from deployments.app import request_router_config
-from routing.routers import ShunterGuard
 from shunter.config import BreakerConfig, ConfigError, RoutingConfig, parse_config
+from shunter.deployments.app import request_router_config
+from shunter.routing.routers import ShunterGuard
 
 SMOL = {"name": "smol", "source": "builtin:smollm2-135m-instruct"}
 MINI = {"name": "mini", "source": "builtin:all-minilm-l6-v2", "task": "embed"}
@@ -98,10 +98,10 @@ def test_routing_config_round_trips_through_json():
 
 
 @pytest.mark.parametrize("base, policy, path", [
-    (SMOL, None, "routing.routers:PrefixAwareRouter"),
-    (MINI, None, "routing.routers:LeastConnectionsRouter"),
-    (SMOL, "least_connections", "routing.routers:LeastConnectionsRouter"),
-    (SMOL, "power_of_two", "routing.routers:PowerOfTwoRouter"),
+    (SMOL, None, "shunter.routing.routers:PrefixAwareRouter"),
+    (MINI, None, "shunter.routing.routers:LeastConnectionsRouter"),
+    (SMOL, "least_connections", "shunter.routing.routers:LeastConnectionsRouter"),
+    (SMOL, "power_of_two", "shunter.routing.routers:PowerOfTwoRouter"),
 ])
 def test_policy_selects_its_router_class(base, policy, path):
     model = _model(base, routing={"policy": policy} if policy else {})
@@ -125,7 +125,7 @@ def test_custom_router_is_wrapped_in_the_guard():
     config = request_router_config(model, "gpu")
     path = config["request_router_class"]
     module, _, name = path.partition(":")
-    assert module == "routing.custom" and name.startswith("G_")
+    assert module == "shunter.routing.custom" and name.startswith("G_")
     assert bytes.fromhex(name[2:]).decode() == POW2
     guarded = getattr(importlib.import_module(module), name)
     pow2 = getattr(importlib.import_module(POW2.partition(":")[0]), POW2.partition(":")[2])
@@ -136,8 +136,8 @@ def test_custom_router_is_wrapped_in_the_guard():
     assert kwargs["k"] == 1 and kwargs["shunter"]["policy"] == "custom"
 
 
-@pytest.mark.parametrize("router_class", ["no_such_pkg.mod:Router", "routing.policy:NoSuchRouter",
-                                          "routing.prefix:CHARS_PER_TOKEN"])
+@pytest.mark.parametrize("router_class", ["no_such_pkg.mod:Router", "shunter.routing.policy:NoSuchRouter",
+                                          "shunter.routing.prefix:CHARS_PER_TOKEN"])
 def test_unimportable_router_class_is_a_config_error(router_class):
     model = _model(routing={"policy": "custom", "router_class": router_class})
     with pytest.raises(ConfigError, match=r"models\[smol\]\.routing\.router_class") as info:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from routing.failover import ReplicaFailure, with_failover
+from shunter.routing.failover import ReplicaFailure, with_failover
 
 
 class Attempts:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from routing.policy import (
+from shunter.routing.policy import (
     LEAST_LOADED,
     LOAD_FALLBACK,
     PREFIX_HIT,
@@ -14,7 +14,7 @@ from routing.policy import (
     rank_least_connections,
     rank_prefix_aware,
 )
-from routing.prefix import CHARS_PER_TOKEN, PrefixIndex, prefix_key
+from shunter.routing.prefix import CHARS_PER_TOKEN, PrefixIndex, prefix_key
 
 BLOCK = 16
 CHUNK = BLOCK * CHARS_PER_TOKEN

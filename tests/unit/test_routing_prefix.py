@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.prefix import CHARS_PER_TOKEN, PrefixIndex, PrefixKey, prefix_key, render_prompt
+from shunter.routing.prefix import CHARS_PER_TOKEN, PrefixIndex, PrefixKey, prefix_key, render_prompt
 
 BLOCK = 4  # tokens per KV block in these tests
 CHUNK = BLOCK * CHARS_PER_TOKEN  # characters per chunk

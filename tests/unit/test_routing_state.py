@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from routing.prefix import CHARS_PER_TOKEN, prefix_key
-from routing.state import DeploymentRouting, deployment_key, routing_state
 from shunter.config import BreakerConfig, RoutingConfig
+from shunter.routing.prefix import CHARS_PER_TOKEN, prefix_key
+from shunter.routing.state import DeploymentRouting, deployment_key, routing_state
 
 KEYS = prefix_key("k" * (8 * 16 * CHARS_PER_TOKEN), 16).keys  # 8 chunks
 
@@ -97,7 +97,7 @@ def test_probe_slot_is_taken_by_dispatch_and_freed_by_completion():
 
 def test_routing_state_is_shared_per_deployment_key(monkeypatch):
     registry: dict = {}
-    monkeypatch.setattr("routing.state._by_deployment", registry)  # leave the process's registry as it was
+    monkeypatch.setattr("shunter.routing.state._by_deployment", registry)  # leave the process's registry as it was
     key = deployment_key("app", "model-x")
     assert key not in registry
     first = routing_state(key, "x", "least_connections", RoutingConfig())
@@ -157,7 +157,7 @@ def test_a_reservation_counts_until_the_request_is_dispatched():
 
 
 def test_a_reservation_never_dispatched_expires_and_a_departed_replica_drops_its_own():
-    from routing.state import RESERVATION_TTL_S
+    from shunter.routing.state import RESERVATION_TTL_S
 
     clock = FakeClock()
     state = _state(clock)
@@ -226,7 +226,7 @@ def test_a_call_that_ended_before_ray_reported_it_routed_is_not_left_in_flight()
     """Ray registers its completion callback before the replica accepts a call and reports the routing
     after: a short call (a stats probe, a whole short stream) can end first. Seen on a live app as one
     request counted in flight for good. The router counts a call until a callback it adds itself."""
-    from routing.routers import LeastConnectionsRouter
+    from shunter.routing.routers import LeastConnectionsRouter
 
     router = object.__new__(LeastConnectionsRouter)  # the bookkeeping alone: no Ray router behind it
     router._shunter = _state()

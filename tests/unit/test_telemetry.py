@@ -12,9 +12,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deployments.replica_telemetry import traced
-from deployments.telemetry import RequestTelemetry, ask_for_usage
 from shunter import tracing
+from shunter.deployments.replica_telemetry import traced
+from shunter.deployments.telemetry import RequestTelemetry, ask_for_usage
 
 EXPORTER = InMemorySpanExporter()
 

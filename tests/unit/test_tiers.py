@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from deployments.telemetry import choice_text
-from deployments.tiering import MONITOR_MAX_TOKENS, Tiering
-from routing.tiers import AgreementMonitor, NoTierAllowed, Tier, TierRouter, cosine, features
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.telemetry import choice_text
+from shunter.deployments.tiering import MONITOR_MAX_TOKENS, Tiering
+from shunter.routing.tiers import AgreementMonitor, NoTierAllowed, Tier, TierRouter, cosine, features
 
 from .fake_clock import Clock
 

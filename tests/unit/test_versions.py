@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from routing.versions import choose_version, session_point
+from shunter.routing.versions import choose_version, session_point
 
 SESSIONS = [f"user-{i}" for i in range(2000)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-APP_IMPORT_PATH = "deployments.app:build_app"
+APP_IMPORT_PATH = "shunter.deployments.app:build_app"
 
 
 def load_app_configs(path: Path) -> list[tuple[str, Any]]:

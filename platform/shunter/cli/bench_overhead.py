@@ -167,8 +167,8 @@ def _requests_for(concurrency: int) -> int:
 
 def _single_model_app(args_cfg: Any, model_name: str) -> Any:
     """The config's app serving only `model_name` (so it owns every core, like vLLM alone)."""
-    from deployments.app import assemble
     from shunter.config import ShunterConfig
+    from shunter.deployments.app import assemble
 
     return assemble(ShunterConfig.model_validate({**args_cfg.model_dump(), "models": [
         m.model_dump() for m in args_cfg.models if m.name == model_name]}))

@@ -124,7 +124,7 @@ def _place_pack(layout: EngineLayout) -> str | None:
 def _place_staged(layout: EngineLayout) -> str | None:
     from ray.util.placement_group import placement_group_table
 
-    from deployments.engine_placement import PlacementTimeout, reserve_stages
+    from shunter.deployments.engine_placement import PlacementTimeout, reserve_stages
 
     try:
         group = asyncio.run(reserve_stages(layout, "bench", stage_wait_s=3, pin_wait_s=3, attempts=1))

@@ -49,10 +49,10 @@ def _counters(handle: Any, replicas: list[str]) -> dict[str, dict[str, Any]]:
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2) -> dict[str, Any]:
     from ray import serve
 
-    from deployments.app import assemble, deployment_name
     from shunter.bench.runner import run, run_parser
     from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
+    from shunter.deployments.app import assemble, deployment_name
     from shunter.local_serve import local_serve
 
     cfg, model, _ = generate_model_of(config, model_name)

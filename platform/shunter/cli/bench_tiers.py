@@ -76,7 +76,7 @@ async def _drive(base: str, bodies: list[dict[str, Any]], concurrency: int) -> l
 
 def classifier_cost_us(bodies: list[dict[str, Any]], rounds: int = 200) -> float:
     """Microseconds per request of the default classifier (features, score, class), in this process."""
-    from routing.tiers import features
+    from shunter.routing.tiers import features
 
     start = time.perf_counter()
     for _ in range(rounds):
@@ -126,9 +126,9 @@ def report(result: dict[str, Any]) -> str:
 def bench_tiers(config: Path, requests: int, concurrency: int) -> dict[str, Any]:
     import httpx
 
-    from deployments.app import assemble
-    from deployments.tiering import Tiering
     from shunter.cli.app_files import load_app_configs
+    from shunter.deployments.app import assemble
+    from shunter.deployments.tiering import Tiering
     from shunter.local_serve import local_serve
 
     (_, cfg), *_ = load_app_configs(config)

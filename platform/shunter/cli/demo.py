@@ -3,7 +3,7 @@
 It serves a config on a local Ray cluster (with Ray's metrics exporter on a known port), drives a short
 shared-prefix load with `shunter bench`'s load generator, scrapes the metrics endpoint every two
 seconds meanwhile, and renders the key panels of the shipped dashboards (ops/grafana) to PNG files by
-evaluating their own PromQL over the scraped samples (ops.panels). The PNGs show what an operator's
+evaluating their own PromQL over the scraped samples (shunter.ops.panels). The PNGs show what an operator's
 Grafana shows for the same run.
 """
 
@@ -44,8 +44,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ops.panels.render import render_all
-    from ops.panels.scrape import SampleStore, scrape_loop
+    from shunter.ops.panels.render import render_all
+    from shunter.ops.panels.scrape import SampleStore, scrape_loop
 
     args = parser().parse_args(argv)
     store, stop = SampleStore(), threading.Event()
@@ -73,10 +73,10 @@ def _app(config: Path) -> tuple[Any, str]:
     """The config's Shunter application, built as `serve deploy` would build it, and its name."""
     import yaml
 
-    from deployments.app import build_app
+    from shunter.deployments.app import build_app
 
     apps = yaml.safe_load(config.read_text())["applications"]
-    app = next(a for a in apps if a.get("import_path", "").startswith("deployments.app"))
+    app = next(a for a in apps if a.get("import_path", "").startswith("shunter.deployments.app"))
     return build_app(app["args"]), app["name"]
 
 

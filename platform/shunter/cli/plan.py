@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from shunter.config import ClusterConfig, ConfigError, NodeGroupConfig
 
 if TYPE_CHECKING:
-    from deployments.app import ClusterView
     from shunter.config import ShunterConfig
+    from shunter.deployments.app import ClusterView
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def _declared(nodes: list) -> ClusterConfig:
 
 def planning_view(cfg: ShunterConfig) -> ClusterView:
     """The cluster a config is planned on before deploying: its `cluster:` section, else this machine."""
-    from deployments.app import ClusterView
+    from shunter.deployments.app import ClusterView
     from shunter.placement import declared_nodes
 
     if cfg.cluster is None:
@@ -57,7 +57,7 @@ def planning_view(cfg: ShunterConfig) -> ClusterView:
 def check_builds(path: Path, name: str, cfg: ShunterConfig) -> None:
     """What `build_app` would refuse (engine splits, GPU placement, CPU cores), planned on `planning_view`;
     raises SystemExit with the builder's message."""
-    from deployments.app import plan_deployments
+    from shunter.deployments.app import plan_deployments
 
     try:
         plan_deployments(cfg, planning_view(cfg))
@@ -66,8 +66,8 @@ def check_builds(path: Path, name: str, cfg: ShunterConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deployments.app import check_placement, cpu_core_demands, plan_deployments
     from shunter.cli.app_files import load_app_configs
+    from shunter.deployments.app import check_placement, cpu_core_demands, plan_deployments
     from shunter.placement import parse_nodes
 
     try:

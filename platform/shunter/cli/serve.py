@@ -42,7 +42,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from shunter.deployments.app import build_app
 
     http: dict[str, Any] = raw.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)

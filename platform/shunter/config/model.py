@@ -187,7 +187,7 @@ class ModelConfig(StrictModel):
     def _policy_fits_engine(self) -> ModelConfig:
         if self.routing.policy == "prefix_aware" and not self.prefix_caching:
             raise ValueError(
-                "routing.policy prefix_aware needs prefix caching; set engine.enable_prefix_caching: true "
+                "shunter.routing.policy prefix_aware needs prefix caching; set engine.enable_prefix_caching: true "
                 "or choose least_connections"
             )
         return self
