@@ -159,7 +159,7 @@ class LiveApp:
         from ray import serve
 
         from shunter.config import parse_config
-        from shunter.deployments.app import deployment_name
+        from shunter.serve_plan import deployment_name
 
         cfg = parse_config(local_app_args())
         return serve.get_deployment_handle(deployment_name(cfg.find_model(model)), app_name=APP_NAME)

@@ -98,8 +98,8 @@ def test_the_cluster_is_used_as_the_planner_planned_it(cluster):
     import ray
 
     from shunter.config import parse_config
-    from shunter.deployments.app import ClusterView, check_placement
     from shunter.placement import NodeSpec
+    from shunter.serve_plan import ClusterView, check_placement
 
     used = {node: 0 for node in cluster["gpus_of"]}
     for group in _groups().values():

@@ -122,12 +122,13 @@ def test_plan_hands_ray_the_queue_depth_policy_and_plans_cores_for_the_maximum()
     from ray import serve
 
     from shunter.config import parse_config
-    from shunter.deployments.app import ClusterView, plan_deployments
+    from shunter.deployments.app import deployment_options
     from shunter.deployments.model_server import ModelServer
+    from shunter.serve_plan import ClusterView
 
     cfg = parse_config({"models": [{"name": "s", "source": "builtin:smollm2-135m-instruct",
                                     "autoscaling": {"min_replicas": 0, "max_replicas": 2}}]})
-    plan = plan_deployments(cfg, ClusterView(has_gpus=False, largest_node_cpus=2))["s"]["default"]
+    plan = deployment_options(cfg, ClusterView(has_gpus=False, largest_node_cpus=2))["s"]["default"]
     options = plan["deployment"]
     assert "num_replicas" not in options and plan["cpu_cores"] == 1, "two replicas may run: one core each"
     scaling = options["autoscaling_config"]

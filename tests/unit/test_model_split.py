@@ -8,10 +8,10 @@ import json
 import pytest
 
 from shunter.config import ConfigError, EngineConfig, parse_config
-from shunter.deployments.app import ClusterView, check_placement, plan_deployments
 from shunter.engine import EngineSpec
 from shunter.engine_checks import engine_problems
 from shunter.model_shape import ModelShape, model_shape, parallel_problems
+from shunter.serve_plan import ClusterView, check_placement, plan_deployments
 
 CPU4 = ClusterView(has_gpus=False, largest_node_cpus=4)
 LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"

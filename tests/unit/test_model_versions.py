@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from shunter.config import ConfigError, parse_config
-from shunter.deployments.app import ClusterView, deployment_name, plan_deployments
 from shunter.ops import autoscaling
 from shunter.ops.control import Sample, _short, model_view, window_stats
+from shunter.serve_plan import ClusterView, deployment_name, plan_deployments
 
 SMOL = "builtin:smollm2-135m-instruct"
 VERSIONED = {"name": "smol", "engine": {"max_num_seqs": 8, "cpu_kv_cache_gib": 2},

@@ -78,7 +78,7 @@ def test_every_module_of_every_room_is_installed_under_shunter(installed):
 def test_the_installed_package_imports_from_any_directory(installed, tmp_path):
     """What a Serve replica does with the config's import_path, outside the repository."""
     deps = installed.site / "deps.pth"  # the main virtualenv's libraries (Ray, vLLM), not its shunter
-    deps.write_text(sysconfig.get_path("purelib") + "\n")
+    deps.write_text("".join(f"{entry}\n" for entry in sys.path if entry.endswith("site-packages")))
     try:
         done = subprocess.run([str(installed.venv / "bin" / "python"), "-c",
                                "import shunter.deployments.app as app, shunter.routing.routers, shunter.ops.autoscaling;"

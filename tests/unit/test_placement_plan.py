@@ -9,7 +9,6 @@ import pytest
 from shunter.cli import load_app_configs
 from shunter.cli import main as shunter
 from shunter.config import ConfigError, parse_config
-from shunter.deployments.app import ClusterView, check_placement, cluster_nodes, plan_deployments
 from shunter.placement import (
     NODE_ID_LABEL,
     EngineLayout,
@@ -19,6 +18,7 @@ from shunter.placement import (
     parse_nodes,
     plan_cluster,
 )
+from shunter.serve_plan import ClusterView, check_placement, cluster_nodes, plan_deployments
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NO_LIVE_GPUS = ClusterView(has_gpus=False, largest_node_cpus=2)

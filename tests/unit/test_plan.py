@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shunter.config import ConfigError, parse_config
-from shunter.deployments.app import ClusterView, deployment_name, plan_deployments
+from shunter.serve_plan import ClusterView, deployment_name, plan_deployments
 
 SMOL = {"name": "smol", "source": "builtin:smollm2-135m-instruct"}
 MINI = {"name": "mini", "source": "builtin:all-minilm-l6-v2", "task": "embed"}
@@ -50,10 +50,10 @@ def test_deployment_names_are_plain_and_unique():
 
 
 def test_replicas_drain_longer_than_rays_default_and_the_gateway_outlasts_them():
-    from shunter.deployments.app import assemble
+    from shunter.deployments.app import assemble, deployment_options
 
     cfg = parse_config({"models": [SMOL, {**MINI, "draining": {"timeout_s": 600}}]})
-    plans = plan_deployments(cfg, CPU2)
+    plans = deployment_options(cfg, CPU2)
     assert plans["smol"]["default"]["deployment"]["graceful_shutdown_timeout_s"] > 300, "the default drain is 300 s"
     assert plans["mini"]["default"]["deployment"]["graceful_shutdown_timeout_s"] > 600
     gateway = assemble(cfg)._bound_deployment

@@ -52,8 +52,9 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from shunter.bench.runner import run, run_parser
     from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
-    from shunter.deployments.app import assemble, deployment_name
+    from shunter.deployments.app import assemble
     from shunter.local_serve import local_serve
+    from shunter.serve_plan import deployment_name
 
     cfg, model, _ = generate_model_of(config, model_name)
     rows = []

@@ -17,7 +17,7 @@ from shunter.config import ClusterConfig, ConfigError, NodeGroupConfig
 
 if TYPE_CHECKING:
     from shunter.config import ShunterConfig
-    from shunter.deployments.app import ClusterView
+    from shunter.serve_plan import ClusterView
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +44,8 @@ def _declared(nodes: list) -> ClusterConfig:
 
 def planning_view(cfg: ShunterConfig) -> ClusterView:
     """The cluster a config is planned on before deploying: its `cluster:` section, else this machine."""
-    from shunter.deployments.app import ClusterView
     from shunter.placement import declared_nodes
+    from shunter.serve_plan import ClusterView
 
     if cfg.cluster is None:
         return ClusterView.detect()  # no Ray cluster in this process: this machine's cores, no GPU
@@ -57,18 +57,18 @@ def planning_view(cfg: ShunterConfig) -> ClusterView:
 def check_builds(path: Path, name: str, cfg: ShunterConfig) -> None:
     """What `build_app` would refuse (engine splits, GPU placement, CPU cores), planned on `planning_view`;
     raises SystemExit with the builder's message."""
-    from shunter.deployments.app import plan_deployments
+    from shunter.deployments.app import deployment_options
 
     try:
-        plan_deployments(cfg, planning_view(cfg))
+        deployment_options(cfg, planning_view(cfg))  # the plan and the Serve options (a custom router's path)
     except ConfigError as exc:
         raise SystemExit(f"{path}: application {name!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from shunter.cli.app_files import load_app_configs
-    from shunter.deployments.app import check_placement, cpu_core_demands, plan_deployments
     from shunter.placement import parse_nodes
+    from shunter.serve_plan import check_placement, cpu_core_demands, plan_deployments
 
     try:
         given = parse_nodes(args.nodes)
