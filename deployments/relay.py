@@ -1,0 +1,95 @@
+"""The stream relay: SSE chunks from the replica to the client, and how a started stream ends.
+
+Once the first byte has gone to the client there is no failing over: a replica that breaks or goes
+silent mid-stream, a stream still running when its leaving replica's drain timeout is up, and a stream
+past the request's deadline or idle limit all end with an explicit OpenAI-shaped error event. A client
+that goes away cancels the replica's work. However it ends, the request's `RequestEnd` settles it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from shunter.config import LimitsConfig, ModelConfig
+from shunter.deployments.replica_call import DrainTimeout, RequestDeadline, Started, StreamIdle, next_item
+from shunter.deployments.request_end import RequestEnd, cancel
+from shunter.errors import error_body
+from shunter.routing.state import DeploymentRouting
+
+log = logging.getLogger("ray.serve")
+
+
+async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting, end: RequestEnd,
+                limits: LimitsConfig) -> AsyncIterator[str]:
+    """The client's stream; see the module docstring."""
+    finished = aborted = cut = False
+    ok: bool | None = None  # served whole / broke; None: the client left, the platform drained or cut it
+    stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
+    tel = end.tel
+    deadline = tel.began + limits.request_timeout_s
+    try:
+        if started.first_chunk is not None:
+            yield started.first_chunk
+        while True:
+            try:
+                chunk = await next_item(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
+            except StopAsyncIteration:
+                break
+            text = tel.chunk(chunk)
+            if text is not None:
+                yield text
+        finished = True
+        broke = engine_failure(tel.in_band_error)
+        if broke is not None:  # vLLM ends a stream whose engine failed with an error event and [DONE]
+            log.warning("model %s: stream from replica %s carried an engine error: %s", model.name, replica, broke)
+        ok = broke is None
+        routing.record_outcome(replica, not ok, None if ok else f"engine error mid-stream: {broke}")
+    except DrainTimeout:
+        aborted = True
+        drain = model.draining.timeout_s
+        log.warning("model %s: stream from leaving replica %s still ran at the drain timeout (%gs); aborted",
+                    model.name, replica, drain)
+        cancel(stream)
+        yield _event(f"the replica serving this stream of model {model.name!r} was stopped (scale-down, update "
+                     f"or shutdown) and the stream ran past the drain timeout of {drain:g}s", 503,
+                     "replica_drain_timeout")
+        finished = True
+    except (RequestDeadline, StreamIdle) as exc:
+        cut = True
+        cancel(stream)
+        if isinstance(exc, RequestDeadline):
+            code, why = "request_timeout", f"ran past the request timeout of {limits.request_timeout_s:g}s"
+        else:
+            code, why = "stream_idle_timeout", f"sent nothing for {limits.stream_idle_timeout_s:g}s"
+        log.warning("model %s: stream from replica %s %s; ended", model.name, replica, why)
+        yield _event(f"the stream from model {model.name!r} {why}", 504, code)
+        finished = True
+    except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
+        why = f"sent nothing for {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
+        log.warning("model %s: stream from replica %s broke mid-way: %s", model.name, replica, why)
+        routing.record_outcome(replica, True, f"stream broke: {why}")
+        cancel(stream)
+        ok = False
+        yield _event(f"the stream from model {model.name!r} broke: {why}", 503, "stream_interrupted")
+        finished = True
+    finally:
+        end.settle(end.stream_status(ok, aborted, cut), finished=finished, ok=ok, aborted=aborted)
+
+
+def engine_failure(error: dict[str, Any] | None) -> str | None:
+    """The message of an in-band stream error that is the engine's failure (a 5xx code), else None (no
+    error, or a client error such as a bad tool-call argument found mid-stream)."""
+    if error is None:
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and code < 500:
+        return None
+    return str(error.get("message") or code or "engine error")[:300]
+
+
+def _event(message: str, status: int, code: str) -> str:
+    return f"data: {json.dumps(error_body(message, status, code=code))}\n\n"

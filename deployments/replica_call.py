@@ -1,0 +1,220 @@
+"""Sending a request to one version of a model: pick a replica (Ray's request router, ours), wait for
+it to take the request and answer its first byte, fail over once to another replica when it fails
+before that byte, and turn every way of not starting into the client's response.
+
+The replica protocol (`shunter.replica_protocol`): the replica answers `Accepted` as soon as it takes
+the request, then the reply head (status, body or stream), then, for a stream, SSE chunks; `Working`
+items keep a long prefill from looking like silence. Waiting for each item is bounded: by
+`gateway.queue_timeout_s` (or a scaled-to-zero model's cold start) for `Accepted`, by the model's
+`routing.replica_timeout_s` of silence, by the drain timeout once the replica has left, and by the
+request's own deadline and idle limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from shunter.config import ModelConfig
+from shunter.deployments.api_app import RETRY_AFTER_S, error_response
+from shunter.deployments.request_end import cancel
+from shunter.deployments.serving_state import ServingState, all_replicas_out
+from shunter.deployments.telemetry import RequestTelemetry
+from shunter.ops import metrics as ops_metrics
+from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits, Working
+from shunter.routing.failover import ReplicaFailure, with_failover
+from shunter.routing.state import DeploymentRouting
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Started:
+    """A reply whose replica has answered: its head, and for a stream the first chunk already read."""
+
+    replica: str
+    head: dict[str, Any]
+    stream: Any
+    first_chunk: str | None
+    routing_id: str  # this attempt's id in the routing state (each attempt has its own)
+
+
+class QueueTimeout(Exception):
+    """No replica took the request within gateway.queue_timeout_s (or, for a model scaled to zero, within
+    autoscaling.cold_start_timeout_s)."""
+
+    def __init__(self, waited_s: float, cold_start: bool):
+        super().__init__(waited_s, cold_start)
+        self.waited_s = waited_s
+        self.cold_start = cold_start
+
+
+class DrainTimeout(Exception):
+    """The replica left (scale-down, update, shutdown) and the request ran past the drain timeout."""
+
+
+class RequestDeadline(Exception):
+    """The request ran past gateway.limits.request_timeout_s."""
+
+
+class StreamIdle(Exception):
+    """The stream sent nothing for gateway.limits.stream_idle_timeout_s (shorter than the model's
+    replica_timeout_s, which would count as the replica's failure)."""
+
+
+class AllReplicasOut(Exception):
+    """Every replica's breaker is open: nothing to send to, or to retry on."""
+
+
+class NoReplica(Exception):
+    """The request failed before any replica took it (none running, deployment failed)."""
+
+
+class VersionFailed(Exception):
+    """The request could not start on one version (before any byte reached the client); carries the
+    response the client gets if no other version can take it."""
+
+    def __init__(self, response: JSONResponse):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class ReplicaCalls:
+    def __init__(self, state: ServingState, queue_timeout_s: float):
+        self.state, self.queue_timeout_s = state, queue_timeout_s
+
+    async def start(self, model: ModelConfig, version: str, routing: DeploymentRouting, endpoint: str,
+                    body: dict[str, Any], tel: RequestTelemetry, limits: RequestLimits) -> Started:
+        """Start the request on one version, failing over once between its replicas. Raises VersionFailed
+        with the client's response when the version cannot serve it."""
+
+        def failed(failure: ReplicaFailure) -> None:
+            log.warning("model %s request %s: replica %s failed before the first byte: %s", model.name,
+                        tel.request_id, failure.replica, failure.why)
+            routing.record_outcome(failure.replica, True, failure.why)
+
+        async def attempt(avoid: tuple[str, ...]) -> Started:
+            if avoid and routing.unavailable_for_s() is not None:
+                raise AllReplicasOut()  # the failure just recorded opened the last breaker
+            carrier = tel.routing(version, attempt=len(avoid) + 1)
+            routing_id = f"{tel.routing_id}.{len(avoid) + 1}"
+            try:
+                return await self._attempt(model, version, routing, tel,
+                                           ReplicaRequest(request_id=routing_id, avoid=avoid, endpoint=endpoint,
+                                                          body=body, trace=carrier, limits=limits))
+            except BaseException as exc:
+                tel.attempt_failed(type(exc).__name__)
+                routing.finished(routing_id)  # Ray does not always report a failed or cancelled call
+                raise
+            finally:
+                routing.first_byte(routing_id)  # answered or failed: its prefill no longer queues anywhere
+
+        try:
+            return await with_failover(attempt, model.routing.retry_once, failed)
+        except QueueTimeout as timeout:
+            if timeout.cold_start:
+                ops_metrics.rejection(model.name, "cold_start_timeout")
+                log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
+                            model.name, timeout.waited_s)
+                raise VersionFailed(error_response(
+                    503, f"model {model.name!r} is scaled to zero and no replica started within "
+                    f"{timeout.waited_s:g}s; retry shortly", code="cold_start_timeout",
+                    headers={"Retry-After": RETRY_AFTER_S})) from None
+            ops_metrics.rejection(model.name, "queue_timeout")
+            log.warning("model %s: no replica accepted a request within %ss", model.name, timeout.waited_s)
+            raise VersionFailed(error_response(
+                503, f"no replica of model {model.name!r} could take the request within {timeout.waited_s:g}s; "
+                "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})) from None
+        except AllReplicasOut:
+            raise VersionFailed(all_replicas_out(model, routing)) from None
+        except (ReplicaFailure, NoReplica) as exc:
+            if isinstance(exc, NoReplica):
+                log.warning("model %s: request failed before any replica took it: %r", model.name, exc.__cause__)
+            ops_metrics.rejection(model.name, "model_unavailable")
+            raise VersionFailed(error_response(
+                503, f"model {model.name!r} has no replica able to serve right now; retry shortly",
+                code="model_unavailable", headers={"Retry-After": RETRY_AFTER_S})) from None
+
+    async def _attempt(self, model: ModelConfig, version: str, routing: DeploymentRouting, tel: RequestTelemetry,
+                       request: ReplicaRequest) -> Started:
+        """Send once and wait for the replica's first answer: the reply head, and for a stream its first
+        chunk too, so a replica that fails before any byte reaches the client can be failed over."""
+        stream = None
+        try:
+            stream = self.state.servers[model.name][version].options(stream=True).handle.remote(request)
+            # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
+            # a model whose replicas cannot take work (none started, all full) is a 503, never a hang.
+            cold_start = self.state.scaled_to_zero(model, routing)
+            wait = self.queue_timeout_s
+            if cold_start and model.autoscaling is not None:
+                wait = model.autoscaling.cold_start_timeout_s
+            try:
+                accepted = await asyncio.wait_for(stream.__anext__(), wait)
+            except asyncio.TimeoutError:
+                raise QueueTimeout(wait, cold_start) from None
+            except Exception as exc:  # noqa: BLE001 - no replica, replica gone before taking it
+                raise NoReplica() from exc
+            if not isinstance(accepted, Accepted):
+                raise NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
+            replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
+            tel.accepted(replica)
+            try:
+                head = await next_item(stream, model, routing, replica)
+                first = None
+                if head["stream"]:
+                    try:
+                        first = await next_item(stream, model, routing, replica)
+                    except StopAsyncIteration:
+                        first = None
+            except asyncio.TimeoutError:
+                raise ReplicaFailure(replica, f"sent nothing for {timeout:g}s (hung?)") from None
+            except DrainTimeout:
+                raise ReplicaFailure(replica, f"left and had not answered within the drain timeout of "
+                                     f"{model.draining.timeout_s:g}s") from None
+            except Exception as exc:  # noqa: BLE001 - replica died, engine raised: the replica's fault
+                raise ReplicaFailure(replica, f"{type(exc).__name__}: {exc}"[:300]) from None
+            if head["status"] >= 500:
+                message = ((head.get("body") or {}).get("error") or {}).get("message", "")
+                raise ReplicaFailure(replica, f"engine answered {head['status']}: {message}"[:300])
+            return Started(replica, head, stream, first, request.request_id)
+        except BaseException:
+            cancel(stream)
+            raise
+
+
+async def next_item(stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str,
+                    deadline: float = math.inf, idle_s: float = math.inf) -> Any:
+    """The replica's next item. Raises asyncio.TimeoutError after `replica_timeout_s` of silence (the
+    replica's failure), StreamIdle after `idle_s` when that is shorter (the client's limit),
+    RequestDeadline at `deadline`, and DrainTimeout once the replica has left the running set for longer
+    than the drain timeout (checked every second, so a replica that leaves mid-wait is noticed)."""
+    silence = model.routing.replica_timeout_s
+    silent_until = time.monotonic() + min(silence, idle_s)
+    pending = asyncio.ensure_future(stream.__anext__())
+    try:
+        while True:
+            if pending.done() and isinstance(pending.result(), Working):  # alive: the silence starts over
+                silent_until = time.monotonic() + min(silence, idle_s)
+                pending = asyncio.ensure_future(stream.__anext__())
+            now = time.monotonic()
+            departed = routing.departed_at(replica)
+            drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
+            if now >= drain_until:
+                raise DrainTimeout()
+            if now >= deadline:
+                raise RequestDeadline()
+            if now >= silent_until:
+                raise StreamIdle() if idle_s < silence else asyncio.TimeoutError()
+            done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, deadline,
+                                                                now + 1.0) - now)
+            if done and not isinstance(pending.result(), Working):
+                return pending.result()
+    finally:
+        if not pending.done():
+            pending.cancel()
