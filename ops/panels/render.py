@@ -1,7 +1,8 @@
-"""Draw a Grafana dashboard's panels to one PNG, from scraped samples instead of a Grafana server.
+"""Draw a Grafana dashboard's panels to one PNG, from a real Prometheus instead of a Grafana server.
 
-Each chosen panel's queries are interpolated (dashboard variables, `$__rate_interval`) and evaluated
-over the scrapes' time span by `shunter.ops.panels.promql`, then drawn with matplotlib: time series as lines,
+Each chosen panel's queries are interpolated (dashboard variables, `$__rate_interval`, as Grafana does)
+and sent to Prometheus as range queries over the run's span (`shunter.ops.prometheus`), then drawn with
+matplotlib: time series as lines,
 stat and gauge panels as their reduced value over a faint sparkline, bar gauges as horizontal bars.
 The result is an approximation of what Grafana would show, good enough for a README screenshot and
 for seeing at a glance that the dashboards' queries return data; it is not a Grafana clone.
@@ -21,10 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from shunter.ops.panels.promql import evaluate_range, format_duration, interpolate, step_times
-from shunter.ops.panels.scrape import SampleStore
+from shunter.ops.panels.variables import format_duration, grafana_rate_interval, interpolate
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ PANEL_SIZE_IN = (5.4, 3.6)
 DPI = 110
 
 Variables = Mapping[str, str | Sequence[str]]
+
+
+class RangeSource(Protocol):
+    """Where range queries go: a `shunter.ops.prometheus.Prometheus`."""
+
+    scrape_interval_s: float
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]: ...
 
 
 @dataclass
@@ -56,29 +64,28 @@ class PanelData:
 # ---- entry points ---------------------------------------------------------------------------------
 
 
-def render_dashboard(dashboard_json: Mapping[str, Any], store: SampleStore, out_png: Path,
-                     panel_titles: Sequence[str] | None = None, variables: Variables | None = None,
+def render_dashboard(dashboard_json: Mapping[str, Any], source: RangeSource, out_png: Path, start: float,
+                     end: float, panel_titles: Sequence[str] | None = None, variables: Variables | None = None,
                      step_s: float = 2.0, rate_interval: str | None = None) -> Path:
-    """Render the dashboard's panels (or only `panel_titles`, in that order) to `out_png`.
+    """Render the dashboard's panels (or only `panel_titles`, in that order) over [start, end] to `out_png`.
 
     Variables default to the dashboard's own current values ("All" where none is set); `variables`
-    overrides them. `rate_interval` defaults to what Grafana would compute for the observed scrape
+    overrides them. `rate_interval` defaults to what Grafana would compute for the source's scrape
     interval. A panel whose queries fail or return nothing says so in its box; only a title that is
     not on the dashboard raises (ValueError), since that is a mistake in the caller's selection.
     """
     dashboard = _unwrap(dashboard_json)
     panels = select_panels(dashboard, panel_titles)
-    times = store.times()
-    grid = step_times(times[0], times[-1], step_s) if times else []
+    grid = step_times(start, end, step_s)
     values = {**dashboard_variables(dashboard), **(variables or {})}
-    rate = rate_interval or grafana_rate_interval(store.scrape_interval(), step_s)
-    span = format_duration(times[-1] - times[0]) if len(times) > 1 else rate
-    data = [evaluate_panel(panel, store, grid, step_s, values, rate, span) for panel in panels]
+    rate = rate_interval or grafana_rate_interval(source.scrape_interval_s, step_s)
+    span = format_duration(grid[-1] - grid[0]) if len(grid) > 1 else rate
+    data = [evaluate_panel(panel, source, grid, step_s, values, rate, span) for panel in panels]
     _draw(dashboard.get("title", dashboard.get("uid", "dashboard")), data, grid, Path(out_png))
     return Path(out_png)
 
 
-def render_all(dashboards_dir: Path, store: SampleStore, out_dir: Path,
+def render_all(dashboards_dir: Path, source: RangeSource, out_dir: Path, start: float, end: float,
                selection: Mapping[str, Sequence[str] | None] | None = None,
                variables: Variables | None = None, step_s: float = 2.0,
                rate_interval: str | None = None) -> list[Path]:
@@ -91,9 +98,17 @@ def render_all(dashboards_dir: Path, store: SampleStore, out_dir: Path,
     unknown = sorted(set(chosen) - set(dashboards))
     if unknown:
         raise ValueError(f"no dashboard with uid {unknown} in {dashboards_dir}; found {sorted(dashboards)}")
-    return [render_dashboard(dashboards[uid], store, Path(out_dir) / f"{uid}.png", titles, variables, step_s,
-                             rate_interval=rate_interval)
+    return [render_dashboard(dashboards[uid], source, Path(out_dir) / f"{uid}.png", start, end, titles, variables,
+                             step_s, rate_interval=rate_interval)
             for uid, titles in chosen.items()]
+
+
+def step_times(start: float, end: float, step_s: float) -> list[float]:
+    """The instants a range query evaluates at: start, start + step, ... up to end, on whole
+    milliseconds (Prometheus's resolution), so its answers match the grid exactly."""
+    first = round(start, 3)
+    count = int((end - first) // step_s) + 1 if end >= first else 0
+    return [round(first + i * step_s, 3) for i in range(count)]
 
 
 def load_dashboards(dashboards_dir: Path) -> dict[str, dict[str, Any]]:
@@ -154,19 +169,10 @@ def dashboard_variables(dashboard: Mapping[str, Any]) -> dict[str, str | list[st
     return values
 
 
-def grafana_rate_interval(scrape_interval_s: float | None, step_s: float) -> str:
-    """Grafana's `$__rate_interval`: max(4 x scrape interval, step + scrape interval).
-
-    Four scrapes guarantee a rate window holds at least two samples even with one scrape missed.
-    """
-    scrape = scrape_interval_s if scrape_interval_s else step_s
-    return format_duration(max(4 * scrape, step_s + scrape))
-
-
 # ---- evaluation ---------------------------------------------------------------------------------------------
 
 
-def evaluate_panel(panel: Mapping[str, Any], store: SampleStore, grid: Sequence[float], step_s: float,
+def evaluate_panel(panel: Mapping[str, Any], source: RangeSource, grid: Sequence[float], step_s: float,
                    variables: Variables, rate_interval: str, range_: str) -> PanelData:
     """Evaluate every visible target of the panel; a failing target is recorded, not raised."""
     defaults = panel.get("fieldConfig", {}).get("defaults", {})
@@ -178,7 +184,7 @@ def evaluate_panel(panel: Mapping[str, Any], store: SampleStore, grid: Sequence[
         if target.get("hide") or not target.get("expr"):
             continue
         try:
-            data.lines.extend(_evaluate_target(target, store, grid, step_s, variables, rate_interval, range_))
+            data.lines.extend(_evaluate_target(target, source, grid, step_s, variables, rate_interval, range_))
         except Exception as exc:  # one broken query must not cost the render its other panels
             log.warning("panel %r, query %s failed: %s", data.title, target.get("refId", "?"), exc)
             data.errors.append(f"{target.get('refId', '?')}: {exc}")
@@ -200,23 +206,25 @@ def display_title(title: str, variables: Variables) -> str:
     return _TITLE_VARIABLE.sub(value, title)
 
 
-def _evaluate_target(target: Mapping[str, Any], store: SampleStore, grid: Sequence[float], step_s: float,
+def _evaluate_target(target: Mapping[str, Any], source: RangeSource, grid: Sequence[float], step_s: float,
                      variables: Variables, rate_interval: str, range_: str) -> list[tuple[str, list[float]]]:
     expr = interpolate(target["expr"], variables, rate_interval, interval=format_duration(step_s),
                        range_=range_)
     if not grid:
         return []
-    series = evaluate_range(expr, store, grid[0], grid[-1], step_s)
-    return [(legend(target.get("legendFormat"), s.labels, expr), _on_grid(s.points, grid)) for s in series]
+    series = source.query_range(expr, grid[0], grid[-1], step_s)
+    return [(legend(target.get("legendFormat"), s.get("metric", {}), expr), _on_grid(s.get("values", []), grid))
+            for s in series]
 
 
-def _on_grid(points: Sequence[tuple[float, float]], grid: Sequence[float]) -> list[float]:
+def _on_grid(points: Sequence[Sequence[Any]], grid: Sequence[float]) -> list[float]:
     """One value per grid step, NaN where the series had none, so the line shows a gap there.
 
-    The query was evaluated at exactly these step times, so matching by equality is exact.
+    Prometheus evaluated the query at exactly these steps (on whole milliseconds), so matching by the
+    millisecond is exact.
     """
-    by_time = dict(points)
-    return [by_time.get(t, math.nan) for t in grid]
+    by_ms = {round(float(t) * 1000): float(v) for t, v in points}
+    return [by_ms.get(round(t * 1000), math.nan) for t in grid]
 
 
 _LEGEND_LABEL = re.compile(r"\{\{\s*(.+?)\s*\}\}")

@@ -5,7 +5,9 @@ The app serves SmolLM2 as version v1 (a real engine), v2 (a second real engine, 
 version `broken` run by the FAKE fault-injecting engine (tests/integration/fault_engine.py: every
 request answers 500), because errors, failovers, breakers and a rolled-back rollout are what several
 panels show and a real engine cannot fail on demand. Spans go through OpenTelemetry's real OTLP/HTTP
-exporter to a receiver in this test (tests/otlp_receiver.py). The tests run in order on one app.
+exporter to a receiver in this test (tests/otlp_receiver.py). A real Prometheus scrapes Ray's metrics
+exporter for the whole module, and the last test sends every dashboard expression to it. The tests run in
+order on one app.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 import pytest
 
 from shunter.local_serve import free_port
+from shunter.ops.prometheus import Prometheus, has_data
 from tests.e2e.live import wait_ready
 from tests.integration.local_app import local_app
 from tests.otlp_receiver import OTLPReceiver
@@ -32,6 +35,7 @@ pytestmark = pytest.mark.own_cluster
 APP = "observability"
 MODEL = "smol"
 SMOL = "builtin:smollm2-135m-instruct"
+SCRAPE_S = 2.0
 SYSTEM = " ".join(f"Fact {i}: depot {i} ships crates to harbour {i % 7} every morning." for i in range(40))
 
 
@@ -54,8 +58,9 @@ def _args(otlp_endpoint: str) -> dict:
 
 
 class Live:
-    def __init__(self, base: str, metrics_url: str, spans: OTLPReceiver):
-        self.base, self.metrics_url, self.spans = base, metrics_url, spans
+    def __init__(self, base: str, metrics_url: str, spans: OTLPReceiver, prometheus: Prometheus):
+        self.base, self.metrics_url, self.spans, self.prometheus = base, metrics_url, spans, prometheus
+        self.started_at = time.time()
 
     def chat(self, content: str, **extra) -> httpx.Response:
         return httpx.post(f"{self.base}/v1/chat/completions", timeout=120, json={
@@ -66,9 +71,11 @@ class Live:
 def live(exclusive_machine) -> Iterator[Live]:
     metrics_port = free_port()
     with OTLPReceiver() as receiver, \
-            local_app(_args(receiver.endpoint), APP, metrics_port=metrics_port) as base:
+            local_app(_args(receiver.endpoint), APP, metrics_port=metrics_port) as base, \
+            Prometheus([f"127.0.0.1:{metrics_port}"], scrape_interval_s=SCRAPE_S) as prometheus:
         wait_ready(base)
-        yield Live(base, f"http://127.0.0.1:{metrics_port}/metrics", receiver)
+        prometheus.wait_scraped()
+        yield Live(base, f"http://127.0.0.1:{metrics_port}/metrics", receiver, prometheus)
 
 
 def test_one_request_is_one_trace_from_the_client_through_the_replica_to_the_engine(live):
@@ -176,3 +183,24 @@ def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
     missing = wanted - exported
     assert not missing - external, f"dashboards query metrics the live app does not export: {sorted(missing)}"
     assert not missing, f"allow-listed metrics not exported by this Ray: {sorted(missing & external)}"
+
+
+def test_every_dashboard_expression_returns_data_from_prometheus(live):
+    """Each panel query, as Grafana sends it (variables at All, SLO variables at their first option,
+    `$__rate_interval` 1m), over the module's whole run: Prometheus's own evaluation, not a copy of it."""
+    from shunter.ops.dashboards.builder import panels_of
+    from shunter.ops.dashboards.dashboards import all_dashboards
+    from shunter.ops.dashboards.promql_names import interpolate, slo_values
+
+    time.sleep(3 * SCRAPE_S)  # the last requests' metrics reach the exporter and a scrape
+    start, end = live.started_at - 60, time.time()
+    empty, checked = [], 0
+    for board in all_dashboards():
+        for panel in panels_of(board):
+            for target in panel.get("targets", []):
+                expr = interpolate(target["expr"], slo_values(board))
+                checked += 1
+                if not has_data(live.prometheus.query_range(expr, start, end, 10)):
+                    empty.append(f"{board['uid']} / {panel['title']} / {target['refId']}: {expr}")
+    assert checked > 50
+    assert not empty, "expressions with no data from the live app:\n" + "\n".join(empty)

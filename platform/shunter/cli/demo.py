@@ -1,17 +1,16 @@
-"""`shunter demo`: see the dashboards without a Grafana or Prometheus server.
+"""`shunter demo`: see the dashboards without a Grafana server.
 
-It serves a config on a local Ray cluster (with Ray's metrics exporter on a known port), drives a short
-shared-prefix load with `shunter bench`'s load generator, scrapes the metrics endpoint every two
-seconds meanwhile, and renders the key panels of the shipped dashboards (ops/grafana) to PNG files by
-evaluating their own PromQL over the scraped samples (shunter.ops.panels). The PNGs show what an operator's
-Grafana shows for the same run.
+It serves a config on a local Ray cluster (with Ray's metrics exporter on a known port), runs a local
+Prometheus scraping that exporter every two seconds (shunter.ops.prometheus; `make prometheus` installs
+it), drives a short shared-prefix load with `shunter bench`'s load generator, and renders the key panels
+of the shipped dashboards (ops/grafana) to PNG files from Prometheus's answers to their own PromQL
+(shunter.ops.panels). The PNGs show what an operator's Grafana shows for the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,25 +44,26 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from shunter.ops.panels.render import render_all
-    from shunter.ops.panels.scrape import SampleStore, scrape_loop
+    from shunter.ops.prometheus import Prometheus, PrometheusMissing, prometheus_binary
 
     args = parser().parse_args(argv)
-    store, stop = SampleStore(), threading.Event()
+    try:
+        prometheus_binary()  # before the engines take a minute to start
+    except PrometheusMissing as exc:
+        raise SystemExit(f"shunter demo: {exc}") from None
     with local_serve(metrics=True) as local:
         print(f"starting {args.config} (the engines take a minute)...", flush=True)
         local.deploy(*_app(args.config), timeout_s=600)
-        scraper = threading.Thread(target=scrape_loop, args=(local.metrics_url, store, 2.0, stop), daemon=True)
-        scraper.start()
-        try:
+        assert local.metrics_url is not None
+        target = local.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        with Prometheus([target], scrape_interval_s=2.0) as prometheus:
+            prometheus.wait_scraped()
+            start = time.time()
             summary = _load(local.base_url, args)
-            time.sleep(10)  # the last requests' metrics reach the exporter
-        finally:
-            stop.set()
-            scraper.join(timeout=10)
-    written = render_all(ROOT / "ops" / "grafana", store, args.out, KEY_PANELS, step_s=2.0,
-                         rate_interval=args.rate_interval)
-    print(f"load: {summary['requests']} requests, {summary['output_tokens_per_s']:.0f} output tokens/s; "
-          f"{len(store.times())} scrapes")
+            time.sleep(10)  # the last requests' metrics reach the exporter and a scrape
+            written = render_all(ROOT / "ops" / "grafana", prometheus, args.out, start, time.time(), KEY_PANELS,
+                                 step_s=2.0, rate_interval=args.rate_interval)
+    print(f"load: {summary['requests']} requests, {summary['output_tokens_per_s']:.0f} output tokens/s")
     for path in written:
         print(f"wrote {path}")
     return 0
