@@ -159,6 +159,44 @@ def test_streams_cut_before_their_usage_chunk_are_charged_what_they_produced(app
                                                                                                   refilled)
 
 
+def _settled_count(url: str, **labels: str) -> float:
+    """The key's settled requests as Ray's exporter shows them, once two scrapes 6 s apart agree (the
+    agent exports every few seconds, so a fresh count shows up late)."""
+    from .live import metric_total
+
+    last = None
+    for _ in range(20):
+        now = metric_total(httpx.get(url, timeout=10).text, "ray_shunter_key_requests_total", **labels)
+        if now == last:
+            return now
+        last = now
+        time.sleep(6)
+    raise AssertionError(f"the key's request count never settled: {last}")
+
+
+def test_whole_requests_whose_client_hangs_up_are_each_settled_once(app):
+    """A client that gives up on a whole (not streamed) reply: Serve cancels the gateway's handler, and
+    the request still settles its quota and telemetry, once, as 499, with nothing left in flight."""
+    from tests.integration.local_app import kept_metrics_url
+
+    from .live import metric_total
+
+    url = kept_metrics_url()
+    before, hung_before = _settled_count(url, key_name="full"), _settled_count(url, key_name="full", status="499")
+    body = chat_body(max_tokens=MAX_TOKENS, n=MAX_N, messages=[{"role": "user", "content": "word " * 150}])
+    hung = 6
+    for _ in range(hung):
+        with pytest.raises(httpx.TimeoutException):
+            post(app, "/v1/chat/completions", body, timeout=0.05)
+    deadline = time.monotonic() + 60
+    while _settled_count(url, key_name="full") < before + hung and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _settled_count(url, key_name="full") == before + hung, "each hung-up request settled exactly once"
+    assert _settled_count(url, key_name="full", status="499") > hung_before, "recorded as the client's hang-up"
+    text = httpx.get(url, timeout=10).text
+    assert metric_total(text, "ray_shunter_requests_in_flight", model=CHAT_MODEL) == 0
+
+
 # ---- 4. non-finite numbers never get in ----------------------------------------------------------------------
 
 NON_FINITE = ['NaN', 'Infinity', '-Infinity', '1e999']

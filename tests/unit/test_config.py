@@ -160,6 +160,15 @@ def test_cli_config_check_rejects_a_non_serve_file(tmp_path):
     assert "applications" in str(info.value)
 
 
+def test_a_config_with_the_former_import_path_is_told_the_new_one(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config["applications"][0]["import_path"] = "deployments.app:build_app"
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit, match="'deployments.app:build_app' is now 'shunter.deployments.app:build_app'"):
+        cli_main(["config", "check", str(old)])
+
+
 def test_shunter_serve_refuses_a_bad_file_or_a_foreign_app_before_starting_ray(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: []\n")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 APP_IMPORT_PATH = "shunter.deployments.app:build_app"
+FORMER_IMPORT_PATH = "deployments.app:build_app"  # before deployments/ installed under shunter
 
 
 def load_app_configs(path: Path) -> list[tuple[str, Any]]:
@@ -40,6 +41,9 @@ def load_app_configs(path: Path) -> list[tuple[str, Any]]:
 
     found = []
     for index, app in enumerate(raw["applications"]):
+        if app.get("import_path") == FORMER_IMPORT_PATH:
+            raise SystemExit(f"{path}: applications[{index}].import_path: {FORMER_IMPORT_PATH!r} is now "
+                             f"{APP_IMPORT_PATH!r} (everything of Shunter imports under `shunter`)")
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         name = app.get("name", f"applications[{index}]")
