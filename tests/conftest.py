@@ -28,6 +28,9 @@ os.environ.setdefault("SHUNTER_CORE_LOCK_DIR", tempfile.mkdtemp(prefix="shunter-
 # of the kept cluster (tests/integration/local_app.py).
 os.environ.setdefault("SHUNTER_FAULT_DIR", tempfile.mkdtemp(prefix="shunter-test-faults-"))
 
+# Ray's processes export their metrics every 10 s by default; the tests that read metrics (scrapes,
+# Prometheus) would wait up to that long for each count. Every cluster the suite starts exports every 2 s.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 def _tier(item: pytest.Item) -> int:
     parts = Path(str(item.fspath)).parts

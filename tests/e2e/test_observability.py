@@ -185,22 +185,44 @@ def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
     assert not missing, f"allow-listed metrics not exported by this Ray: {sorted(missing & external)}"
 
 
+# Panels this app cannot give data, each with its reason. Prometheus takes a series' first sample as its
+# baseline, so an event that happens once, on a series it creates, never shows in rate() or increase():
+# the module drains one replica once and never completes a rollout whose new version has latencies.
+NO_DATA_HERE = {
+    ("shunter-capacity", "Drain duration"): "one drain in the module: its histogram is born with it",
+    ("shunter-capacity", "Streams aborted at the drain timeout"): "one abort: its counter is born with it",
+    ("shunter-rollouts", "Gate: p95 latency, new vs old"): "the only rollout goes to a version that never answers",
+}
+
+
 def test_every_dashboard_expression_returns_data_from_prometheus(live):
     """Each panel query, as Grafana sends it (variables at All, SLO variables at their first option,
-    `$__rate_interval` 1m), over the module's whole run: Prometheus's own evaluation, not a copy of it."""
+    `$__rate_interval` 1m), over the module's whole run: Prometheus's own evaluation, not a copy of it.
+    Streams in a few rounds first, so the latency histograms grow on series that already exist."""
     from shunter.ops.dashboards.builder import panels_of
     from shunter.ops.dashboards.dashboards import all_dashboards
     from shunter.ops.dashboards.promql_names import interpolate, slo_values
 
-    time.sleep(3 * SCRAPE_S)  # the last requests' metrics reach the exporter and a scrape
-    start, end = live.started_at - 60, time.time()
+    for round_ in range(3):
+        for i in range(2):
+            with httpx.stream("POST", f"{live.base}/v1/chat/completions", timeout=120, json={
+                    "model": MODEL, "stream": True, "max_tokens": 8,
+                    "messages": [{"role": "user", "content": f"Count to {round_ * 2 + i + 3}."}]}) as resp:
+                assert resp.status_code == 200
+                resp.read()
+        time.sleep(5)  # past Ray's metrics export (2 s here) and a scrape: the next round is an increase
+    time.sleep(6)
+    step, end = 5.0, time.time()
+    start = end - step * ((end - live.started_at + 60) // step)  # the last step is now
     empty, checked = [], 0
     for board in all_dashboards():
         for panel in panels_of(board):
+            if (board["uid"], panel["title"]) in NO_DATA_HERE:
+                continue
             for target in panel.get("targets", []):
                 expr = interpolate(target["expr"], slo_values(board))
                 checked += 1
-                if not has_data(live.prometheus.query_range(expr, start, end, 10)):
+                if not has_data(live.prometheus.query_range(expr, start, end, step)):
                     empty.append(f"{board['uid']} / {panel['title']} / {target['refId']}: {expr}")
     assert checked > 50
     assert not empty, "expressions with no data from the live app:\n" + "\n".join(empty)
