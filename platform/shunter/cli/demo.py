@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         prometheus_binary()  # before the engines take a minute to start
     except PrometheusMissing as exc:
         raise SystemExit(f"shunter demo: {exc}") from None
+    # Ray's processes export metrics every 10 s by default: panels over a 90 s run would move in 10 s
+    # steps. Every 2 s, like the scrape, for this run's own cluster.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
     with local_serve(metrics=True) as local:
         print(f"starting {args.config} (the engines take a minute)...", flush=True)
         local.deploy(*_app(args.config), timeout_s=600)
