@@ -113,7 +113,7 @@ class Forwarder:
             raise
         finally:
             if response is not None and not isinstance(response, StreamingResponse):
-                end.settle(response.status_code)  # a stream settles when its relay ends
+                end.settle(response.status_code, ok=True)  # a stream settles when its relay ends
 
     def _follow_tier(self, tier: Decision, endpoint: str, body: dict[str, Any], tel: RequestTelemetry) -> None:
         """A tier-routed request: its decision on the trace, its tokens and cost when it ends, and, for a
@@ -162,7 +162,8 @@ class Forwarder:
         try:  # the same path as a client's whole reply: versions, failover, breakers, outcome records
             response = await self._admitted(model, endpoint, body, versions, end, self.replica_limits)
         finally:
-            end.settle(response.status_code if response is not None else 503, finished=response is not None)
+            end.settle(response.status_code if response is not None else 503, finished=response is not None,
+                       ok=True if response is not None else None)
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],

@@ -1,0 +1,131 @@
+"""The forward pipeline, whole replies and streams, end to end in one process: the real Forwarder, door,
+body reader, serving state, relay and RequestEnd, in front of a stand-in replica (a recording handle whose
+stream speaks the replica protocol) and a recording traffic record. What is checked is what each ending
+leaves behind: the version's outcome for rollouts, the admission slot, the routers' in-flight count."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from shunter.config import parse_config
+from shunter.deployments.access import AccessControl
+from shunter.deployments.forward import Forwarder
+from shunter.deployments.request_body import BodyReader
+from shunter.deployments.serving_state import ServingState
+from shunter.replica_protocol import Accepted
+
+pytestmark = pytest.mark.unit
+
+CONFIG = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct"}]})
+MODEL = CONFIG.models[0]
+TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+
+
+class ReplicaStream:
+    def __init__(self, items: list[Any]):
+        self.items, self.cancelled = items, False
+
+    def __aiter__(self) -> ReplicaStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Replica:
+    """A handle whose calls answer like a ModelServer replica (Accepted, the head, then SSE chunks), and
+    that tells the routing state where it sent each request, as Shunter's router does."""
+
+    deployment_name, app_name = "model-m", "forward-test"
+
+    def __init__(self) -> None:
+        self.routing: Any = None
+
+    def options(self, **_: Any) -> Replica:
+        return self
+
+    @property
+    def handle(self) -> Replica:
+        return self
+
+    def remote(self, request: Any) -> ReplicaStream:
+        self.routing.dispatched("replica-1", request.request_id)
+        head = {"status": 200, "body": None, "stream": True} if request.body.get("stream") is True else \
+            {"status": 200, "body": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+             "stream": False}
+        rest = [TOKEN, "data: [DONE]\n\n"] if head["stream"] else []
+        return ReplicaStream([Accepted("replica-1"), head, *rest])
+
+
+class Traffic:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bool]] = []
+
+    def ensure_started(self) -> None: ...
+
+    def serving(self, model: Any) -> list[str]:
+        return ["default"]
+
+    def record(self, model: Any, version: str, ok: bool, ttft_s: Any, e2e_s: Any) -> None:
+        self.records.append((version, ok))
+
+
+def _request(body: dict[str, Any]) -> Request:
+    raw = json.dumps(body).encode()
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    return Request(scope, receive)
+
+
+@pytest.fixture
+def pipeline() -> tuple[Forwarder, Replica, Traffic]:
+    replica, traffic = Replica(), Traffic()
+    state = ServingState(CONFIG, {"m": {"default": replica}}, traffic)  # type: ignore[arg-type]
+    forwarder = Forwarder(CONFIG, AccessControl(CONFIG), BodyReader(CONFIG.gateway), state,
+                          traffic, None)  # type: ignore[arg-type]
+    replica.routing = state.routing(MODEL, "default")
+    return forwarder, replica, traffic
+
+
+def _body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
+
+
+def test_a_whole_reply_records_the_versions_success_and_gives_everything_back(pipeline):
+    forwarder, replica, traffic = pipeline
+    response = asyncio.run(forwarder.forward(_request(_body()), "chat"))
+    assert response.status_code == 200 and response.headers["x-shunter-replica"] == "replica-1"
+    assert traffic.records == [("default", True)], "a whole reply counts for the version's gates"
+    assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
+
+
+def test_a_stream_records_the_versions_success_when_its_relay_ends(pipeline):
+    forwarder, replica, traffic = pipeline
+
+    async def run() -> str:
+        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        return "".join([chunk async for chunk in response.body_iterator])
+
+    text = asyncio.run(run())
+    assert '"content":"hi"' in text and '"usage"' not in text and text.endswith("data: [DONE]\n\n")
+    assert traffic.records == [("default", True)]
+    assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
