@@ -18,14 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(base_url: str, timeout_s: float = 900) -> None:
-    """Poll `base_url`/ready every 2 s until it answers 200; RuntimeError after `timeout_s`."""
+def wait_ready(base_url: str, timeout_s: float = 900, path: str = "/ready") -> None:
+    """Poll `base_url` + `path` every 2 s until it answers 200; RuntimeError after `timeout_s`."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{base_url}/ready", timeout=10).status_code == 200:
+            if httpx.get(f"{base_url}{path}", timeout=10).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -38,13 +38,13 @@ class LocalServe:
     base_url: str  # Serve's HTTP proxy
     metrics_url: str | None  # Ray's metrics exporter, when asked for
 
-    def deploy(self, app: Any, name: str, timeout_s: float = 900) -> None:
+    def deploy(self, app: Any, name: str, timeout_s: float = 900, ready_path: str = "/ready") -> None:
         """Run `app` (a bound Serve application) as `name` at `/`, replacing any app of that name, and wait
-        until its gateway says ready."""
+        until it answers 200 on `ready_path` (a Shunter gateway's /ready; another app's own probe)."""
         from ray import serve
 
         serve.run(app, name=name, route_prefix="/")
-        wait_ready(self.base_url, timeout_s)
+        wait_ready(self.base_url, timeout_s, ready_path)
 
 
 @contextmanager

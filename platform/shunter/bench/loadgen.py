@@ -161,6 +161,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
     try:
         async with client.stream("POST", path, json=_payload(cfg, session, history, turn)) as resp:
             record.status = resp.status_code
+            record.head_s = time.perf_counter() - sent
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 record.error = _error_message(body)

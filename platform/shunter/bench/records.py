@@ -17,6 +17,7 @@ class RequestRecord:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    head_s: float | None = None  # the response's status line (for a refusal: how long it took)
     ttft_s: float | None = None  # first content token
     e2e_s: float | None = None  # last byte
     itl_s: list[float] = field(default_factory=list)  # gaps between successive content chunks

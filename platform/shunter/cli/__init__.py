@@ -31,7 +31,7 @@ from shunter.cli.render import DEFAULT_IMAGE
 
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
-BENCHMARKS = ("run", "compare", "overhead", "routing", "placement", "tiers", "suite")
+BENCHMARKS = ("run", "compare", "overhead", "saturation", "routing", "placement", "tiers", "suite")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
     bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
-    bench.add_parser("overhead", help="Shunter vs vLLM alone on the same prompts (its own options: --help)")
+    bench.add_parser("overhead", help="Shunter vs vLLM alone, vLLM's server and Ray Serve LLM (its own options: --help)")
+    bench.add_parser("saturation", help="a burst far past capacity: refusal latency, admitted TTFT, wall time")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
     bench.add_parser("tiers", help="a mixed workload to `model: auto`: tier split and cost vs the top tier")
@@ -79,6 +80,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_placement import main as placement
 
         return placement(argv)
+    if action == "saturation":
+        from shunter.cli.bench_saturation import main as saturation
+
+        return saturation(argv)
     if action == "tiers":
         from shunter.cli.bench_tiers import main as tiers
 

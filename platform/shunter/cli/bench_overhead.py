@@ -22,8 +22,6 @@ import asyncio
 import json
 import shlex
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -31,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.app_files import generate_model_of
-from shunter.local_serve import free_port, local_serve
+from shunter.cli.bench_peers import ray_serve_llm_app, vllm_server
+from shunter.local_serve import local_serve
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple words.", "Write a haiku about rain.",
@@ -49,10 +48,18 @@ class RunResult:
     wall_s: float
     ttft_mean_s: float
     ttft_p50_s: float
+    serving_cpu_s: float | None = None  # every process but the engines' and this client's (shunter.bench.cpu)
+    engine_cpu_s: float | None = None
+    serving_cpu_top: list | None = None  # the serving side's busiest processes
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
+
+    @property
+    def serving_cpu_ms_per_1k(self) -> float | None:
+        """The serving side's CPU milliseconds per 1,000 generated tokens."""
+        return None if self.serving_cpu_s is None else self.serving_cpu_s / max(1, self.output_tokens) * 1e6
 
 
 def _messages(i: int) -> list[dict[str, str]]:
@@ -108,6 +115,7 @@ async def bench_vllm_alone(model_path: str, engine_cfg: Any, levels: list[int], 
 async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: list[int],
                                 max_tokens: int) -> list[RunResult]:
     """An HTTP side, measured by `shunter bench`'s own load generator (the same client for every side)."""
+    from shunter.bench.cpu import CpuMeter
     from shunter.bench.loadgen import LoadConfig, run_load
     from shunter.bench.workloads import Session, Turn
 
@@ -116,49 +124,20 @@ async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: li
     async def measure(label: str, concurrency: int, requests: int) -> RunResult:
         cfg = LoadConfig(base_url=f"{base_url}/v1", model=model, concurrency=concurrency, max_requests=requests,
                          progress=False)
+        meter = CpuMeter()
+        meter.start()
         records, wall = await run_load(sessions, cfg)
+        cpu = meter.stop()
         failed = [r for r in records if not r.ok]
         if failed:  # a figure with failures in it would flatter the side that failed
             raise RuntimeError(f"{side}: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
         ttfts = [r.ttft_s for r in records]
         return RunResult(label, concurrency, len(records), sum(r.output_tokens for r in records), wall,
-                         statistics.mean(ttfts), statistics.median(ttfts))
+                         statistics.mean(ttfts), statistics.median(ttfts), cpu.serving_s, cpu.engine_s,
+                         cpu.top)
 
     await measure("warmup", 4, 4)
     return [await measure(side, c, _requests_for(c)) for c in levels]
-
-
-def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[subprocess.Popen, str]:
-    """vLLM's own OpenAI server (the reference peers compare against), same settings and cores."""
-    import os
-
-    import httpx
-
-    from shunter.cpu_cores import node_cores
-    from shunter.engine import EngineSpec, cpu_engine_env
-
-    port = free_port()
-    args = EngineSpec(served_name, model_path, "generate", engine_cfg, "cpu").engine_args()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
-           "--max-num-seqs", str(args["max_num_seqs"]), "--disable-uvicorn-access-log"]
-    cmd += ["--enforce-eager"] if args["enforce_eager"] else []
-    env = {**os.environ, **cpu_engine_env(engine_cfg.cpu_kv_cache_gib, ",".join(map(str, node_cores())))}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(2)
-    proc.kill()
-    raise RuntimeError("vLLM's server did not come up within 300 s")
 
 
 def _requests_for(concurrency: int) -> int:
@@ -211,6 +190,9 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
     finally:
         proc.terminate()
         proc.wait(60)
+    with local_serve() as local:
+        local.deploy(ray_serve_llm_app(path, model.name, model.engine), "ray-serve-llm", ready_path="/v1/models")
+        ray_llm = asyncio.run(bench_openai_endpoint("ray-serve-llm", local.base_url, model.name, levels, max_tokens))
     shared = None
     with local_serve() as local:
         local.deploy(_single_model_app(cfg, model.name), "bench")
@@ -221,23 +203,31 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
             shared = run(run_parser().parse_args(["--base-url", f"{local.base_url}/v1", "--model", model.name,
                                                   "--workload", "shared-prefix", "--quiet", *shared_prefix]))
     rows = [{"concurrency": a.concurrency,
-             **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s} for r in (a, v, g)},
+             **{r.side: {**asdict(r), "tokens_per_s": r.tokens_per_s, "serving_cpu_ms_per_1k": r.serving_cpu_ms_per_1k}
+                for r in (a, v, s, g)},
              "shunter_vs_alone": g.tokens_per_s / a.tokens_per_s,
              "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s,
-             "shunter_ttft_p50_vs_alone": g.ttft_p50_s / a.ttft_p50_s}
-            for a, v, g in zip(alone, server, through, strict=True)]
+             "shunter_vs_ray_serve_llm": g.tokens_per_s / s.tokens_per_s,
+             "shunter_ttft_p50_vs_alone": g.ttft_p50_s / a.ttft_p50_s,
+             "shunter_ttft_p50_overhead_ms": (g.ttft_p50_s - v.ttft_p50_s) * 1000}
+            for a, v, s, g in zip(alone, server, ray_llm, through, strict=True)]
     return {"model": model.name, "max_tokens": max_tokens, "overhead": rows, "shared_prefix": shared}
 
 
 def overhead_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: tokens/s (TTFT p50) of each side and Shunter's ratios."""
-    lines = ["| streams | AsyncLLM alone | vLLM OpenAI server | Shunter | Shunter / alone | Shunter / vLLM server "
-             "| Shunter TTFT p50 / alone |", "|---|---|---|---|---|---|---|"]
+    """Markdown: tokens/s (TTFT p50) of each side, Shunter's ratios, and each HTTP side's serving CPU."""
+    sides = ("vllm-alone", "vllm-server", "ray-serve-llm", "shunter")
+    lines = ["| streams | AsyncLLM alone | vLLM OpenAI server | Ray Serve LLM | Shunter | Shunter / vLLM server "
+             "| Shunter / Ray Serve LLM | Shunter TTFT p50 - vLLM server | serving CPU ms per 1k tokens: vLLM "
+             "server / Ray Serve LLM / Shunter |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        cells = [f"{row[side]['tokens_per_s']:.1f} ({row[side]['ttft_p50_s'] * 1000:.0f} ms)"
-                 for side in ("vllm-alone", "vllm-server", "shunter")]
-        lines.append(f"| {row['concurrency']} | {' | '.join(cells)} | {row['shunter_vs_alone']:.2f} | "
-                     f"{row['shunter_vs_vllm_server']:.2f} | {row['shunter_ttft_p50_vs_alone']:.2f} |")
+        cells = [f"{row[side]['tokens_per_s']:.1f} ({row[side]['ttft_p50_s'] * 1000:.0f} ms)" if side in row else "-"
+                 for side in sides]
+        cpu = " / ".join(f"{row[s]['serving_cpu_ms_per_1k']:.0f}" if row.get(s, {}).get("serving_cpu_ms_per_1k")
+                         is not None else "-" for s in sides[1:])
+        lines.append(f"| {row['concurrency']} | {' | '.join(cells)} | {row['shunter_vs_vllm_server']:.2f} | "
+                     f"{row.get('shunter_vs_ray_serve_llm', float('nan')):.2f} | "
+                     f"{row.get('shunter_ttft_p50_overhead_ms', float('nan')):+.0f} ms | {cpu} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,71 @@
+"""Where a benchmark run's CPU went: the engines' processes, and everything else the serving side ran.
+
+A platform in front of an engine should cost almost nothing per token; on a CPU node whatever it costs
+comes straight out of the engine. `CpuMeter` reads every process's CPU time (user + system) before and
+after a run, and splits the difference: vLLM's engine-core and model-worker processes (titled
+`VLLM::EngineCore` and `VLLM::Worker`) are the engine; every other process but the benchmark's own client (this process) is the serving side: vLLM's
+API server for vLLM's own server, and for Shunter or Ray Serve LLM the replicas' front ends (request
+parsing, detokenization, SSE), the gateway, Serve's proxy and controller, and Ray's own daemons. Divided
+by the tokens the run generated, that is the per-token cost of everything but the model, on any hardware.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+# vLLM's process titles (setproctitle): the engine core's scheduler loop and the model's workers.
+ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+@dataclass
+class CpuUse:
+    engine_s: float
+    serving_s: float
+    top: list[tuple[str, float]]  # the serving side's busiest processes: (name, CPU seconds)
+
+    def per_1k_tokens(self, tokens: int) -> float:
+        """Serving-side CPU milliseconds per 1,000 generated tokens."""
+        return self.serving_s / max(1, tokens) * 1e6
+
+
+def _snapshot() -> dict[tuple[int, float], tuple[str, float]]:
+    me = os.getpid()
+    seen: dict[tuple[int, float], tuple[str, float]] = {}
+    for proc in psutil.process_iter(["pid", "create_time", "cmdline", "name"]):
+        try:
+            if proc.info["pid"] == me:
+                continue
+            times = proc.cpu_times()
+            label = " ".join(proc.info["cmdline"] or []) or proc.info["name"] or "?"
+            seen[(proc.info["pid"], proc.info["create_time"])] = (label, times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return seen
+
+
+class CpuMeter:
+    """`start()` before a run, `stop()` after it: the CPU seconds spent in between, by side."""
+
+    def __init__(self) -> None:
+        self._before: dict[tuple[int, float], tuple[str, float]] = {}
+
+    def start(self) -> None:
+        self._before = _snapshot()
+
+    def stop(self) -> CpuUse:
+        engine = serving = 0.0
+        spent: list[tuple[str, float]] = []
+        for key, (label, total) in _snapshot().items():
+            used = total - self._before.get(key, (label, 0.0))[1]  # a process started mid-run: all of it
+            if used <= 0:
+                continue
+            if label.startswith(ENGINE_TITLES):
+                engine += used
+            else:
+                serving += used
+                spent.append((label[:80], used))
+        spent.sort(key=lambda item: -item[1])
+        return CpuUse(engine, serving, spent[:6])
