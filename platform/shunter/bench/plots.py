@@ -71,7 +71,9 @@ def plot_overhead(rows: list[dict[str, Any]], baseline_tokens_per_s: float | Non
     """Output tokens/s per concurrency level for each side of `shunter bench suite`'s overhead rows, with
     the naive baseline (transformers `generate`, one at a time) as a dashed reference line."""
     plt = _pyplot()
-    sides = [("vllm-alone", "AsyncLLM alone"), ("vllm-server", "vLLM OpenAI server"), ("shunter", "Shunter")]
+    sides = [("vllm-alone", "AsyncLLM alone"), ("vllm-server", "vLLM OpenAI server"),
+             ("ray-serve-llm", "Ray Serve LLM"), ("shunter", "Shunter")]
+    sides = [(key, label) for key, label in sides if all(key in row for row in rows)]  # older result files
     fig, ax = plt.subplots(figsize=(9, 4.8))
     try:
         width = 0.8 / len(sides)

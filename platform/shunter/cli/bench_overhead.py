@@ -306,8 +306,10 @@ report; no test asserts a timing. This machine is a shared VM: the same run vari
 ## 1. Platform overhead
 
 The same chat prompts, at 1, 8 and 32 concurrent streams, to vLLM's `AsyncLLM` alone in one process
-(no HTTP), vLLM's own OpenAI server (same client as Shunter) and Shunter serving only this model; the
-same engine settings and cores on every side. Output tokens/s (TTFT p50):
+(no HTTP), vLLM's own OpenAI server (same client as Shunter), Ray Serve LLM 2.60 (`build_openai_app`)
+and Shunter serving only this model; the same engine settings and cores on every side. Output tokens/s
+(TTFT p50), and each HTTP side's serving CPU per 1,000 generated tokens (every process but vLLM's
+engine core and workers, and the client: `shunter.bench.cpu`):
 
 {overhead_table(result['overhead'])}
 
