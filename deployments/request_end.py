@@ -83,10 +83,10 @@ class RequestEnd:
         if self.settled:
             return
         self.settled = True
-        reply = self.reply
-        for step, action in (("replica", self._release_replica), ("admission", self._release_gate)):
+        for step, action in (("replica", lambda: self._release_replica(finished, ok, aborted)),
+                             ("admission", lambda: self.gate is not None and self.gate.release())):
             try:
-                action(reply, finished, ok, aborted)
+                action()
             except Exception:  # noqa: BLE001 - bookkeeping never breaks a request; the others still run
                 log.warning("request %s: settling its %s failed", self.tel.request_id, step, exc_info=True)
         self.tel.finish(status)  # metrics, spans, and the tier's callbacks; never raises
@@ -103,7 +103,8 @@ class RequestEnd:
             return 200
         return STREAM_ERROR if (ok is False or aborted or cut) else CLIENT_GONE
 
-    def _release_replica(self, reply: _Reply | None, finished: bool, ok: bool | None, aborted: bool) -> None:
+    def _release_replica(self, finished: bool, ok: bool | None, aborted: bool) -> None:
+        reply = self.reply
         if reply is None:
             return
         if not finished:  # the client left or the request was cancelled: stop the engine's work
@@ -113,10 +114,6 @@ class RequestEnd:
         reply.routing.finished(reply.routing_id)
         if ok is not None and reply.outcome is not None:
             reply.outcome(ok)
-
-    def _release_gate(self, reply: _Reply | None, finished: bool, ok: bool | None, aborted: bool) -> None:
-        if self.gate is not None:
-            self.gate.release()
 
     def __del__(self) -> None:
         # A streaming response dropped before it started: its relay (and so its settle) never ran.

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from shunter.local_serve import free_port
+from shunter.ops.panels.variables import format_duration
 
 INSTALL_HINT = ("install it with `make prometheus` (as root: Debian's package, apt-get install prometheus), "
                 "or put a Prometheus 2.x binary on PATH, or name it in SHUNTER_PROMETHEUS")
@@ -73,11 +74,11 @@ class Prometheus:
         binary = prometheus_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="shunter-prometheus-")
         home = Path(self._dir.name)
-        interval = _duration(self.scrape_interval_s)
+        interval = format_duration(self.scrape_interval_s)
         (home / "prometheus.yml").write_text(
             "global:\n"
             f"  scrape_interval: {interval}\n"
-            f"  scrape_timeout: {_duration(min(self.scrape_interval_s, 10.0))}\n"
+            f"  scrape_timeout: {format_duration(min(self.scrape_interval_s, 10.0))}\n"
             "scrape_configs:\n"
             "  - job_name: ray\n"
             f"    static_configs: [{{targets: [{', '.join(repr(t) for t in self.targets)}]}}]\n")
@@ -168,8 +169,3 @@ def has_data(result: list[dict[str, Any]]) -> bool:
         if any(not math.isnan(float(v)) for _, v in points):
             return True
     return False
-
-
-def _duration(seconds: float) -> str:
-    millis = max(1, round(seconds * 1000))
-    return f"{millis // 1000}s" if millis % 1000 == 0 else f"{millis}ms"

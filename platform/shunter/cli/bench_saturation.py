@@ -27,10 +27,10 @@ from shunter.local_serve import local_serve
 
 
 def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """shunter.bench.stats.percentile (q in [0, 1] here), None for no values (no refusals, say)."""
+    from shunter.bench.stats import percentile
+
+    return percentile(values, q * 100) if values else None
 
 
 async def burst(side: str, base_url: str, model: str, streams: int, max_tokens: int) -> dict[str, Any]:
@@ -57,7 +57,7 @@ async def burst(side: str, base_url: str, model: str, streams: int, max_tokens: 
         "wall_s": wall, "output_tokens_per_s": tokens / wall if wall else 0.0,
         "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
         "refusal_p50_s": _quantile(refusals, 0.5), "refusal_p99_s": _quantile(refusals, 0.99),
-        "serving_cpu_ms_per_1k": cpu.serving_s / max(1, tokens) * 1e6, "serving_cpu_top": cpu.top,
+        "serving_cpu_ms_per_1k": cpu.per_1k_tokens(tokens), "serving_cpu_top": cpu.top,
     }
 
 
