@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from shunter.auth import Caller
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
 from shunter.deployments.access import AccessControl
-from shunter.deployments.api_app import error_response
+from shunter.deployments.api_app import RETRY_AFTER_S, error_response
 from shunter.deployments.relay import relay
 from shunter.deployments.replica_call import ReplicaCalls, VersionFailed
 from shunter.deployments.request_body import BodyReader, model_field, parse
@@ -35,6 +35,7 @@ from shunter.deployments.request_end import CLIENT_GONE, RequestEnd
 from shunter.deployments.serving_state import ServingState, all_replicas_out
 from shunter.deployments.telemetry import RequestTelemetry, ask_for_usage
 from shunter.deployments.tiering import Tiering
+from shunter.deployments.token_channel import GatewayChannels
 from shunter.deployments.traffic import LiveVersions
 from shunter.errors import ApiError
 from shunter.ops import metrics as ops_metrics
@@ -56,7 +57,8 @@ class Forwarder:
                  traffic: LiveVersions, tiering: Tiering | None):
         self.config, self.access, self.body, self.state = config, access, body, state
         self.traffic, self.tiering = traffic, tiering
-        self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s)
+        self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s,
+                                  GatewayChannels() if config.gateway.token_channel else None)
         self.replica_limits = RequestLimits(max_tokens=config.gateway.limits.max_tokens,
                                             max_prompt_tokens=config.gateway.limits.max_prompt_tokens)
         self._background: set[asyncio.Task] = set()  # the tier monitor's comparisons, kept referenced
@@ -187,6 +189,16 @@ class Forwarder:
                                   headers={"Retry-After": str(retry_after)})
         end.hold(gate)
         tel.admitted()
+        queue = self.state.dispatch(model)
+        wait = self.config.gateway.queue_timeout_s
+        if model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0])):
+            wait = max(wait, model.autoscaling.cold_start_timeout_s)
+        if not await queue.enter(wait):
+            ops_metrics.rejection(model.name, "queue_timeout")
+            log.warning("model %s: a request waited %ss for a replica slot", model.name, wait)
+            return error_response(503, f"no replica of model {model.name!r} could take the request within {wait:g}s; "
+                                  "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})
+        end.dispatched(queue)
         return await self._admitted(model, endpoint, ask_for_usage(body), versions, end, limits)
 
     def _prompt_for_logs(self, body: dict[str, Any]) -> str | None:
@@ -251,7 +263,7 @@ class Forwarder:
             if started.first_chunk is not None:  # timed on arrival, not when the relay sends it
                 started.first_chunk = tel.chunk(started.first_chunk)
             end.attach(started.stream, started.replica, started.routing_id, routing, self.state.drains(model),
-                       streamed)
+                       streamed, started.close_inbox)
             return StreamingResponse(relay(started, model, routing, end, self.config.gateway.limits),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})

@@ -14,8 +14,10 @@ This module only wires one gateway replica together; each concern has its own mo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 from ray import serve
@@ -33,6 +35,7 @@ from shunter.deployments.request_body import BodyReader
 from shunter.deployments.serving_state import ServingState
 from shunter.deployments.tiering import Tiering
 from shunter.deployments.traffic import LiveVersions
+from shunter.ops.backlog import BacklogReporter
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -53,6 +56,13 @@ def _http_host() -> str | None:
         return None
 
 
+def _report_backlog(reporter: BacklogReporter, depths: dict[str, int]) -> None:
+    try:
+        reporter.report(depths)
+    except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the next second tries again
+        log.warning("could not report the gateway's backlog to the autoscaler", exc_info=True)
+
+
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
@@ -68,10 +78,16 @@ class Gateway:
         setup_tracing(cfg.observability.tracing, "gateway")
         correlate_logs()
         any_handle = next(iter(next(iter(model_servers.values())).values()))
+        backlog = BacklogReporter(any_handle.app_name, uuid.uuid4().hex)
+
+        def refreshed(control: dict[str, Any]) -> None:  # once a second, on the event loop
+            replicas.apply_cordons(control, cfg.models)
+            # The autoscaling policy counts the requests waiting here (a blocking store write: off the loop).
+            asyncio.get_running_loop().run_in_executor(None, _report_backlog, backlog, state.backlog())
+
         traffic = LiveVersions(any_handle.app_name, cfg,
                                {m: {v: h.deployment_name for v, h in versions.items()}
-                                for m, versions in model_servers.items()},
-                               on_refresh=lambda control: replicas.apply_cordons(control, cfg.models))
+                                for m, versions in model_servers.items()}, on_refresh=refreshed)
         state = ServingState(cfg, model_servers, traffic)
         replicas = ReplicaAdmin(traffic, model_servers, state.routing)
         body = BodyReader(cfg.gateway)

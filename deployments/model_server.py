@@ -12,7 +12,9 @@ It yields, in order:
 2. the reply head `{status, body, stream}`: the gateway decides the HTTP status from it before any byte
    goes to the client (a non-streaming reply arrives whole, here, after `Working()` heartbeats every few
    seconds while it is computed);
-3. if the reply streams, its SSE text chunks.
+3. if the reply streams, its SSE text chunks; after the first, when the request names the gateway's
+   token channel and that gateway is listening, `Moved` and the rest over the channel
+   (`shunter.deployments.token_channel`), the Ray call ending with the stream.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
 from shunter.deployments.replica_telemetry import EngineMetrics, traced
+from shunter.deployments.token_channel import ReplicaChannel
 from shunter.errors import error_body
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
-from shunter.replica_protocol import ENDPOINTS, Accepted, ReplicaRequest, RouteHint, Working
+from shunter.replica_protocol import ENDPOINTS, Accepted, Moved, ReplicaRequest, RouteHint, Working
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -69,6 +73,7 @@ class ModelServer:
         self._cores = None
         self._group = None
         self._retire: tuple[float, float] | None = None  # (not before, at the latest): see `retire`
+        self._channel = ReplicaChannel(ray.util.get_node_ip_address())
         env: dict[str, str] = {}
         engine = self.model.engine
         layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
@@ -106,12 +111,12 @@ class ModelServer:
         """Serve one request: yields Accepted, the reply head, then SSE chunks if the reply streams."""
         if request.endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {request.endpoint!r}")
-        async for item in traced(self._serve(request), request.trace, request.endpoint, self.model.name,
-                                 self.version, self.replica_id):
+        async for item in self._relay(traced(self._serve(request), request.trace, request.endpoint,
+                                             self.model.name, self.version, self.replica_id), request):
             yield item
 
     async def _serve(self, request: ReplicaRequest) -> AsyncIterator[Any]:
-        yield Accepted(self.replica_id)
+        yield Accepted(self.replica_id, self._channel.address)
         body, refusal = await self._within_limits(request)
         if refusal is not None:
             yield {"status": 400, "body": refusal, "stream": False}
@@ -136,6 +141,25 @@ class ModelServer:
         if reply.stream is not None:
             async for chunk in reply.stream:
                 yield chunk
+
+    async def _relay(self, items: AsyncIterator[Any], request: ReplicaRequest) -> AsyncIterator[Any]:
+        """The reply's items on Ray, but a stream's chunks after the first over the gateway's token
+        channel once that gateway listens there."""
+        gateway, moved, chunks = request.channel, False, 0
+        async for item in items:
+            if moved:
+                self._channel.send(gateway, request.request_id, item)
+                continue
+            if isinstance(item, str):  # an SSE chunk (the other items are Accepted, the head, Working)
+                if chunks and gateway is not None and self._channel.ready(gateway):
+                    yield Moved()
+                    moved = True
+                    self._channel.send(gateway, request.request_id, item)
+                    continue
+                chunks += 1
+            yield item
+        if moved:
+            self._channel.send(gateway, request.request_id, None)
 
     async def _within_limits(self, request: ReplicaRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The body to run, with the default max_tokens filled in; or a 400 body for a prompt past the
@@ -232,6 +256,9 @@ class ModelServer:
         task = getattr(self, "_metrics_task", None)
         if task is not None:
             task.cancel()
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:

@@ -15,9 +15,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shunter.config import LimitsConfig, ModelConfig
-from shunter.deployments.replica_call import DrainTimeout, RequestDeadline, Started, StreamIdle, next_item
+from shunter.deployments.replica_call import (
+    DrainTimeout,
+    RequestDeadline,
+    Started,
+    StreamIdle,
+    next_chunk,
+    next_item,
+)
 from shunter.deployments.request_end import RequestEnd, cancel
 from shunter.errors import error_body
+from shunter.replica_protocol import Moved
 from shunter.routing.state import DeploymentRouting
 
 log = logging.getLogger("ray.serve")
@@ -31,14 +39,26 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
     stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
     tel = end.tel
     deadline = tel.began + limits.request_timeout_s
+    inbox, ray_end = None, None  # once the stream moved to the token channel: its inbox, and the Ray call
     try:
         if started.first_chunk is not None:
             yield started.first_chunk
         while True:
-            try:
-                chunk = await next_item(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
-            except StopAsyncIteration:
-                break
+            if inbox is None:
+                try:
+                    chunk = await next_item(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
+                except StopAsyncIteration:
+                    break
+                if isinstance(chunk, Moved) and started.inbox is not None:
+                    inbox, ray_end = started.inbox, _watch_end(stream, started.inbox)
+                    continue
+            else:
+                chunk = await next_chunk(inbox, model, routing, replica, deadline, limits.stream_idle_timeout_s)
+                if chunk is None:  # the channel's end mark
+                    break
+                if isinstance(chunk, _RayEnded):
+                    chunk.check()  # raises the replica's failure; a call that ended cleanly: the end mark follows
+                    continue
             text = tel.chunk(chunk)
             if text is not None:
                 yield text
@@ -77,7 +97,40 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
         yield _event(f"the stream from model {model.name!r} broke: {why}", 503, "stream_interrupted")
         finished = True
     finally:
+        if ray_end is not None and not ray_end.done():
+            ray_end.cancel()
         end.settle(end.stream_status(ok, aborted, cut), finished=finished, ok=ok, aborted=aborted)
+
+
+class _RayEnded:
+    """In a moved stream's inbox: its Ray call ended (cleanly, or with the replica's failure)."""
+
+    def __init__(self, call: asyncio.Future):
+        self.call = call
+
+    def check(self) -> None:
+        if self.call.cancelled():
+            return
+        exc = self.call.exception()
+        if isinstance(exc, StopAsyncIteration):
+            return
+        if exc is not None:
+            raise exc
+        raise RuntimeError(f"replica protocol: {self.call.result()!r} on the Ray stream after Moved")
+
+
+def _watch_end(stream: Any, inbox: asyncio.Queue) -> asyncio.Future:
+    """Await the moved stream's Ray call in the background: its end (or failure) joins the inbox, so the
+    relay waits on one queue. Nothing but the end is expected there once the stream moved."""
+    call = asyncio.ensure_future(stream.__anext__())
+
+    def ended(done: asyncio.Future) -> None:
+        if not done.cancelled():
+            done.exception()  # retrieved here; the relay reads it from the inbox item
+            inbox.put_nowait(_RayEnded(done))
+
+    call.add_done_callback(ended)
+    return call
 
 
 def engine_failure(error: dict[str, Any] | None) -> str | None:

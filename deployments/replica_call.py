@@ -26,6 +26,7 @@ from shunter.deployments.api_app import RETRY_AFTER_S, error_response
 from shunter.deployments.request_end import cancel
 from shunter.deployments.serving_state import ServingState, all_replicas_out
 from shunter.deployments.telemetry import RequestTelemetry
+from shunter.deployments.token_channel import GatewayChannels
 from shunter.ops import metrics as ops_metrics
 from shunter.replica_protocol import Accepted, ReplicaRequest, RequestLimits, Working
 from shunter.routing.failover import ReplicaFailure, with_failover
@@ -43,6 +44,12 @@ class Started:
     stream: Any
     first_chunk: str | None
     routing_id: str  # this attempt's id in the routing state (each attempt has its own)
+    inbox: asyncio.Queue | None = None  # the stream's chunks once it moves to the token channel
+    channels: GatewayChannels | None = None
+
+    def close_inbox(self) -> None:
+        if self.channels is not None:
+            self.channels.close(self.routing_id)
 
 
 class QueueTimeout(Exception):
@@ -86,8 +93,8 @@ class VersionFailed(Exception):
 
 
 class ReplicaCalls:
-    def __init__(self, state: ServingState, queue_timeout_s: float):
-        self.state, self.queue_timeout_s = state, queue_timeout_s
+    def __init__(self, state: ServingState, queue_timeout_s: float, channels: GatewayChannels | None):
+        self.state, self.queue_timeout_s, self.channels = state, queue_timeout_s, channels
 
     async def start(self, model: ModelConfig, version: str, routing: DeploymentRouting, endpoint: str,
                     body: dict[str, Any], tel: RequestTelemetry, limits: RequestLimits) -> Started:
@@ -107,7 +114,8 @@ class ReplicaCalls:
             try:
                 return await self._attempt(model, version, routing, tel,
                                            ReplicaRequest(request_id=routing_id, avoid=avoid, endpoint=endpoint,
-                                                          body=body, trace=carrier, limits=limits))
+                                                          body=body, trace=carrier, limits=limits,
+                                                          channel=self.channels.id if self.channels else None))
             except BaseException as exc:
                 tel.attempt_failed(type(exc).__name__)
                 routing.finished(routing_id)  # Ray does not always report a failed or cancelled call
@@ -146,6 +154,8 @@ class ReplicaCalls:
         """Send once and wait for the replica's first answer: the reply head, and for a stream its first
         chunk too, so a replica that fails before any byte reaches the client can be failed over."""
         stream = None
+        channels = self.channels
+        inbox = channels.open(request.request_id) if channels is not None else None
         try:
             stream = self.state.servers[model.name][version].options(stream=True).handle.remote(request)
             # A replica answers Accepted as soon as it takes the request; waiting for that is bounded, so
@@ -164,6 +174,8 @@ class ReplicaCalls:
                 raise NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
             replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
             tel.accepted(replica)
+            if channels is not None:
+                channels.connect(accepted.channel)
             try:
                 head = await next_item(stream, model, routing, replica)
                 first = None
@@ -182,9 +194,14 @@ class ReplicaCalls:
             if head["status"] >= 500:
                 message = ((head.get("body") or {}).get("error") or {}).get("message", "")
                 raise ReplicaFailure(replica, f"engine answered {head['status']}: {message}"[:300])
-            return Started(replica, head, stream, first, request.request_id)
+            if not head["stream"] and channels is not None:
+                channels.close(request.request_id)
+                inbox = None
+            return Started(replica, head, stream, first, request.request_id, inbox, channels)
         except BaseException:
             cancel(stream)
+            if channels is not None:
+                channels.close(request.request_id)
             raise
 
 
@@ -218,3 +235,28 @@ async def next_item(stream: Any, model: ModelConfig, routing: DeploymentRouting,
     finally:
         if not pending.done():
             pending.cancel()
+
+
+async def next_chunk(inbox: asyncio.Queue, model: ModelConfig, routing: DeploymentRouting, replica: str,
+                     deadline: float = math.inf, idle_s: float = math.inf) -> Any:
+    """A moved stream's next item from its token-channel inbox, bounded as `next_item` bounds a Ray
+    stream's (an asyncio.Queue's `get` may be cancelled and retried without losing an item)."""
+    silence = model.routing.replica_timeout_s
+    silent_until = time.monotonic() + min(silence, idle_s)
+    while True:
+        now = time.monotonic()
+        departed = routing.departed_at(replica)
+        drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
+        if now >= drain_until:
+            raise DrainTimeout()
+        if now >= deadline:
+            raise RequestDeadline()
+        if now >= silent_until:
+            raise StreamIdle() if idle_s < silence else asyncio.TimeoutError()
+        if not inbox.empty():
+            return inbox.get_nowait()
+        try:
+            async with asyncio.timeout(min(silent_until, drain_until, deadline, now + 1.0) - now):
+                return await inbox.get()
+        except TimeoutError:
+            continue

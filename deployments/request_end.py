@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shunter.deployments.telemetry import STREAM_ERROR, RequestTelemetry
-from shunter.ops.admission import AdmissionGate
+from shunter.ops.admission import AdmissionGate, DispatchQueue
 from shunter.ops.draining import DrainTracker
 from shunter.routing.state import DeploymentRouting
 
@@ -48,6 +48,7 @@ class _Reply:
     routing: DeploymentRouting
     drains: DrainTracker | None  # streams only: counted open on the replica until they end
     outcome: Callable[[bool], None] | None  # the version's outcome, for rollouts' gates
+    on_release: Callable[[], None] | None = None  # e.g. closing the stream's token-channel inbox
 
 
 class RequestEnd:
@@ -57,6 +58,7 @@ class RequestEnd:
         self.tel = tel
         self.ticket: Any = None  # the caller's quota reservation (shunter.deployments.access.Ticket)
         self.gate: AdmissionGate | None = None
+        self.turn: DispatchQueue | None = None  # the dispatch queue whose turn the request holds
         self.reply: _Reply | None = None
         self.settled = False
 
@@ -67,10 +69,15 @@ class RequestEnd:
         """The request took an admission slot of `gate`."""
         self.gate = gate
 
+    def dispatched(self, queue: DispatchQueue) -> None:
+        """The request had its turn in `queue` and goes to the replicas."""
+        self.turn = queue
+
     def attach(self, stream: Any, replica: str, routing_id: str, routing: DeploymentRouting,
-               drains: DrainTracker | None = None, outcome: Callable[[bool], None] | None = None) -> None:
+               drains: DrainTracker | None = None, outcome: Callable[[bool], None] | None = None,
+               on_release: Callable[[], None] | None = None) -> None:
         """The replica answered and its reply goes to the client (a stream: counted open for its drain)."""
-        self.reply = _Reply(stream, replica, routing_id, routing, drains, outcome)
+        self.reply = _Reply(stream, replica, routing_id, routing, drains, outcome, on_release)
         if drains is not None:
             drains.opened(replica)
 
@@ -84,7 +91,7 @@ class RequestEnd:
             return
         self.settled = True
         for step, action in (("replica", lambda: self._release_replica(finished, ok, aborted)),
-                             ("admission", lambda: self.gate is not None and self.gate.release())):
+                             ("admission", self._release_admission)):
             try:
                 action()
             except Exception:  # noqa: BLE001 - bookkeeping never breaks a request; the others still run
@@ -95,6 +102,12 @@ class RequestEnd:
                 self.ticket.settle(str(status), self.tel.prompt_tokens, self.tel.completion_tokens)
             except Exception:  # noqa: BLE001
                 log.warning("request %s: settling its quota failed", self.tel.request_id, exc_info=True)
+
+    def _release_admission(self) -> None:
+        if self.turn is not None:
+            self.turn.leave()
+        if self.gate is not None:
+            self.gate.release()
 
     def stream_status(self, ok: bool | None, aborted: bool, cut: bool) -> int | str:
         """The status a stream that started with 200 ends with: 200 served whole, `stream_error` when
@@ -109,6 +122,8 @@ class RequestEnd:
             return
         if not finished:  # the client left or the request was cancelled: stop the engine's work
             cancel(reply.stream)
+        if reply.on_release is not None:
+            reply.on_release()
         if reply.drains is not None:
             reply.drains.closed(reply.replica, reply.routing.departed_at(reply.replica), aborted)
         reply.routing.finished(reply.routing_id)

@@ -14,7 +14,7 @@ from shunter.deployments.api_app import error_response
 from shunter.deployments.telemetry import replicas_routable
 from shunter.deployments.traffic import LiveVersions
 from shunter.ops import metrics as ops_metrics
-from shunter.ops.admission import AdmissionGate
+from shunter.ops.admission import AdmissionGate, DispatchQueue
 from shunter.ops.draining import DrainTracker
 from shunter.routing.state import DeploymentRouting, deployment_key, routing_state
 
@@ -25,6 +25,7 @@ class ServingState:
         self.config, self.servers, self.traffic = config, servers, traffic
         self._routing: dict[str, DeploymentRouting] = {}
         self._gates: dict[str, AdmissionGate] = {}
+        self._queues: dict[str, DispatchQueue] = {}
         self._drains: dict[str, DrainTracker] = {}
         self._routable: dict[tuple[str, str], int] = {}  # last exported replica counts
 
@@ -46,6 +47,17 @@ class ServingState:
             bound = math.ceil(model.admission.max_queued_requests / self.config.gateway.replicas)
             gate = self._gates[model.name] = AdmissionGate(bound)
         return gate
+
+    def dispatch(self, model: ModelConfig) -> DispatchQueue:
+        """The model's dispatch queue: admitted requests go to the replicas as slots free, in order."""
+        queue = self._queues.get(model.name)
+        if queue is None:
+            queue = self._queues[model.name] = DispatchQueue(lambda: self.capacity(model))
+        return queue
+
+    def backlog(self) -> dict[str, int]:
+        """Per model, the admitted requests waiting in this gateway for a replica slot."""
+        return {name: queue.depth for name, queue in self._queues.items()}
 
     def drains(self, model: ModelConfig) -> DrainTracker:
         tracker = self._drains.get(model.name)

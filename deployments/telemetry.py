@@ -154,10 +154,29 @@ class RequestTelemetry:
         """A stream chunk on its way to the client. Returns it, or None to drop it (the final usage chunk
         the client did not ask for). The platform asks the engine for usage on every chunk (so a stream
         cut short is settled at the tokens it produced); a client that did not ask for that gets its
-        chunks without it. Token chunks time TTFT and the inter-token gaps."""
+        chunks without it. Token chunks time TTFT and the inter-token gaps.
+
+        vLLM's chunks are compact JSON with `usage` as their last key; those are read without decoding
+        the event (the usage object alone is parsed and cut off the text, so the client gets vLLM's own
+        bytes). Any other event (an error, another engine's layout) is decoded whole."""
         if not text.startswith("data: {"):
             return text
         now = time.monotonic()
+        split = _split_usage(text)
+        if split is None:
+            return self._decoded_chunk(text, now)
+        event, usage = split
+        index = _first_choice_index(event)
+        if index is None:
+            if '"choices":[]' not in event:
+                return self._decoded_chunk(text, now)
+            self._usage(usage)  # the final usage-only chunk: the totals
+            return text if self.client_wants_usage else None
+        self._running_usage(index, usage)
+        self._token_chunk(now)
+        return text if self.client_wants_continuous_usage else event
+
+    def _decoded_chunk(self, text: str, now: float) -> str | None:
         data = _event_json(text)
         choices = data.get("choices")
         if not choices and isinstance(data.get("error"), dict):
@@ -168,19 +187,25 @@ class RequestTelemetry:
             if not choices:  # the final usage-only chunk: the totals
                 self._usage(usage)
                 return text if self.client_wants_usage else None
-            self._running_usage(choices, usage)
+            first = choices[0] if isinstance(choices[0], dict) else {}
+            index = first.get("index", 0)
+            if isinstance(index, int):
+                self._running_usage(index, usage)
             if not self.client_wants_continuous_usage:
                 del data["usage"]
                 text = f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
         if choices:
-            self.streamed = True
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self.span.add_event("first_token")
-            elif self.last_chunk_at is not None:
-                self._itl.append(now - self.last_chunk_at)
-            self.last_chunk_at = now
+            self._token_chunk(now)
         return text
+
+    def _token_chunk(self, now: float) -> None:
+        self.streamed = True
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.span.add_event("first_token")
+        elif self.last_chunk_at is not None:
+            self._itl.append(now - self.last_chunk_at)
+        self.last_chunk_at = now
 
     def whole_reply(self, body: Any) -> None:
         """A non-streamed reply: its arrival is the first (and last) token."""
@@ -240,13 +265,9 @@ class RequestTelemetry:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = int(usage.get("completion_tokens") or 0)
 
-    def _running_usage(self, choices: list[Any], usage: dict[str, Any]) -> None:
+    def _running_usage(self, index: int, usage: dict[str, Any]) -> None:
         """One chunk's running usage (vLLM's `continuous_usage_stats`: the chunk's choice's completion
         tokens so far and its prompt's tokens)."""
-        choice = choices[0] if isinstance(choices[0], dict) else {}
-        index = choice.get("index", 0)
-        if not isinstance(index, int):
-            return
         self._completion_by_choice[index] = int(usage.get("completion_tokens") or 0)
         self._prompt_by_prompt[index // max(1, self.choices_per_prompt)] = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = sum(self._completion_by_choice.values())
@@ -294,3 +315,35 @@ def _event_json(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+_USAGE_KEY = ',"usage":'
+_FIRST_CHOICE = '"choices":[{"index":'
+
+
+def _split_usage(text: str) -> tuple[str, dict[str, Any]] | None:
+    """A compact `data: {..., "usage": {...}}` event as (the event without its usage key, the usage), or
+    None when the event does not end with a usage object. A quote inside a JSON string is escaped, so the
+    last `,"usage":` of the text is the key itself."""
+    cut = text.rfind(_USAGE_KEY)
+    if cut < 0 or not text.endswith("}}\n\n"):
+        return None
+    try:
+        usage = json.loads(text[cut + len(_USAGE_KEY):-3])
+    except ValueError:  # `usage` was not the last key
+        return None
+    if not isinstance(usage, dict):
+        return None
+    return text[:cut] + "}\n\n", usage
+
+
+def _first_choice_index(event: str) -> int | None:
+    """The index of a compact event's first choice, or None when it has no choice in that layout."""
+    start = event.find(_FIRST_CHOICE)
+    if start < 0:
+        return None
+    start += len(_FIRST_CHOICE)
+    end = start
+    while end < len(event) and event[end].isdigit():
+        end += 1
+    return int(event[start:end]) if end > start else None

@@ -12,10 +12,17 @@ Why not Ray Serve's own `max_queued_requests`: Ray counts requests its router ha
 replica, and a burst is counted before routing catches up, so it refuses requests that free replica
 slots could have served (Ray's router says as much in its source); its Retry-After is a fixed number.
 This gate counts admitted work against known capacity, so a burst that fits is admitted whole.
+
+Admitted requests beyond what the replicas take at once wait in the gateway (`DispatchQueue`), in
+arrival order, and go to Ray's request router only when a slot frees. Left in Ray's router instead,
+that backlog made the router probe the replicas' queue lengths over and over for requests it could not
+place (measured: 44% of a saturated gateway's samples), CPU the engines then lacked, and the backlog
+started in no particular order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -67,3 +74,79 @@ class AdmissionGate:
         horizon = self.clock() - self.window_s
         while self._finished and self._finished[0] < horizon:
             self._finished.popleft()
+
+
+class DispatchQueue:
+    """When an admitted request may go to the replicas: at most `capacity()` at once from this gateway
+    (and always at least one, so a model scaled to zero still gets the request whose arrival at Ray's
+    router starts a replica), the others waiting here in arrival order. A request that got its turn
+    holds it until it ends (`leave`). Capacity that grows without a request ending (a replica started)
+    is noticed every `tick_s` while requests wait."""
+
+    def __init__(self, capacity: Callable[[], int], tick_s: float = 0.25):
+        self.capacity = capacity
+        self.tick_s = tick_s
+        self.dispatched = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._ticking = False
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for their turn."""
+        return sum(1 for turn in self._waiting if not turn.done())
+
+    async def enter(self, timeout_s: float) -> bool:
+        """Wait for this request's turn: True once it may go, False after `timeout_s` (it then holds
+        nothing). A request cancelled while it waits holds nothing either."""
+        if not self._waiting and self.dispatched < self._room():
+            self.dispatched += 1
+            return True
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self._tick()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await turn
+            return True
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
+                return True
+            turn.cancel()
+            return False
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.leave()
+            else:
+                turn.cancel()
+            raise
+
+    def leave(self) -> None:
+        """A request that had its turn ended, however it ended."""
+        self.dispatched = max(0, self.dispatched - 1)
+        self._pump()
+
+    def _room(self) -> int:
+        return max(1, self.capacity())
+
+    def _pump(self) -> None:
+        room = self._room()
+        while self._waiting and self.dispatched < room:
+            turn = self._waiting.popleft()
+            if not turn.done():  # a waiter that gave up leaves its cancelled turn behind
+                turn.set_result(None)
+                self.dispatched += 1
+        while self._waiting and self._waiting[0].done():
+            self._waiting.popleft()
+
+    def _tick(self) -> None:
+        if self._ticking:
+            return
+        self._ticking = True
+
+        def tick() -> None:
+            self._ticking = False
+            self._pump()
+            if self._waiting:
+                self._tick()
+
+        asyncio.get_running_loop().call_later(self.tick_s, tick)

@@ -141,13 +141,15 @@ class QueueDepthPolicy:
         self.settings = ScalingSettings(**settings)
         self.versioning = versioning
         self._live: tuple[float, bool] | None = None  # (when read, is this version live)
+        self._live_count = 1  # versions of the model live, which share its gateways' backlog
+        self._backlog: tuple[float, int] | None = None  # (when read, requests waiting in the gateways)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         # The count Ray is already moving to, not the replicas running now: holding at the running count
         # while a new replica starts would cancel that replica.
         target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
-        depth = queue_depth(ctx)
+        depth = queue_depth(ctx) + self._gateway_backlog(getattr(ctx, "app_name", None) or "", now)
         running = int(ctx.current_num_replicas or 0)
         version = self.versioning["version"] if self.versioning else "default"
         if self.versioning and not self._is_live(getattr(ctx, "app_name", None) or "", now):
@@ -157,6 +159,19 @@ class QueueDepthPolicy:
                           starting=max(0, int(target) - running))
         metrics.autoscaling(self.model, decision.replicas, running, depth, version)
         return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}
+
+    def _gateway_backlog(self, app: str, now: float) -> float:
+        """This version's share of the requests waiting in the gateways' dispatch queues (read from the
+        key-value store at most every LIVE_STATE_TTL_S: this runs inside Ray's control loop)."""
+        if self._backlog is None or now - self._backlog[0] >= LIVE_STATE_TTL_S:
+            try:
+                from shunter.ops.backlog import backlog
+
+                waiting = backlog(app, self.model)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: keep the last answer
+                waiting = self._backlog[1] if self._backlog is not None else 0
+            self._backlog = (now, waiting)
+        return self._backlog[1] / max(1, self._live_count)
 
     def _is_live(self, app: str, now: float) -> bool:
         assert self.versioning is not None
@@ -170,6 +185,7 @@ class QueueDepthPolicy:
             entry = live_entry(read_state(app), v["model"], v["fingerprint"])
             if entry is not None:
                 live = v["version"] in entry["live"]
+                self._live_count = max(1, len(entry["live"]))
         except Exception:  # noqa: BLE001 - the GCS briefly unreachable: keep the last answer
             live = self._live[1] if self._live is not None else live
         self._live = (now, live)

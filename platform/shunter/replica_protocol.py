@@ -45,6 +45,9 @@ class ReplicaRequest(RouteHint):
     body: dict[str, Any] = field(default_factory=dict)
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the gateway's span
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # The gateway process's token-channel id (`shunter.deployments.token_channel`): a stream may move its
+    # chunks after the first to that channel. None: every chunk comes on the Ray stream.
+    channel: str | None = None
 
     # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
     # looking for an argument with a `messages` or `prompt` attribute; exposing exactly the one this
@@ -64,9 +67,17 @@ class ReplicaRequest(RouteHint):
 
 @dataclass(frozen=True)
 class Accepted:
-    """First item of every reply stream: this replica took the request."""
+    """First item of every reply stream: this replica took the request. `channel`: the address of its
+    token channel, where the gateway listens for the chunks of streams that move there."""
 
     replica_id: str
+    channel: str | None = None
+
+
+@dataclass(frozen=True)
+class Moved:
+    """On a reply stream, after its first chunk: the stream's other chunks come over the token channel
+    (each a chunk, then `None` at the end); the Ray call itself ends when the stream does."""
 
 
 @dataclass(frozen=True)

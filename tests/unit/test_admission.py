@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from shunter.ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate
+import asyncio
+import contextlib
+
+from shunter.ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate, DispatchQueue
 from tests.unit.fake_clock import Clock
 
 
@@ -65,3 +68,75 @@ def test_release_never_goes_below_zero():
     gate = AdmissionGate(max_queued=1, clock=Clock())
     gate.release()
     assert gate.admitted == 0
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_admitted_requests_beyond_capacity_wait_in_arrival_order_and_go_as_slots_free():
+    async def run() -> list[int]:
+        queue = DispatchQueue(lambda: 2)
+        started: list[int] = []
+
+        async def request(i: int) -> None:
+            assert await queue.enter(timeout_s=5)
+            started.append(i)
+
+        tasks = [asyncio.create_task(request(i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        assert started == [0, 1] and queue.depth == 4 and queue.dispatched == 2
+        for _ in range(4):
+            queue.leave()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        assert queue.dispatched == 2 and queue.depth == 0
+        return started
+
+    assert _run(run()) == [0, 1, 2, 3, 4, 5], "first come, first served"
+
+
+def test_a_model_with_no_capacity_still_sends_one_request_so_ray_starts_a_replica():
+    async def run() -> None:
+        capacity = [0]
+        queue = DispatchQueue(lambda: capacity[0], tick_s=0.02)
+        assert await queue.enter(timeout_s=1), "the one that starts a replica"
+        waiting = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and queue.depth == 1
+        capacity[0] = 4  # a replica started: noticed without any request ending
+        assert await waiting
+
+    _run(run())
+
+
+def test_a_request_that_waits_too_long_or_whose_client_leaves_holds_nothing():
+    async def run() -> None:
+        queue = DispatchQueue(lambda: 1)
+        assert await queue.enter(timeout_s=1)
+        assert not await queue.enter(timeout_s=0.05), "timed out"
+        gone = asyncio.create_task(queue.enter(timeout_s=5))
+        later = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.02)
+        gone.cancel()
+        await asyncio.sleep(0.02)
+        queue.leave()
+        assert await later, "the next live waiter gets the slot the cancelled one gave up"
+        assert queue.dispatched == 1 and queue.depth == 0
+
+    _run(run())
+
+
+def test_a_request_cancelled_as_its_turn_came_gives_the_turn_back():
+    async def run() -> None:
+        queue = DispatchQueue(lambda: 1)
+        assert await queue.enter(timeout_s=1)
+        waiter = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.01)
+        queue.leave()  # its turn comes ...
+        waiter.cancel()  # ... and its client leaves before it runs
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert queue.dispatched == 0, "the turn is not leaked"
+
+    _run(run())

@@ -98,6 +98,10 @@ def _request(body: dict[str, Any]) -> Request:
 
 @pytest.fixture
 def pipeline() -> tuple[Forwarder, Replica, Traffic]:
+    return build_pipeline()
+
+
+def build_pipeline() -> tuple[Forwarder, Replica, Traffic]:
     replica, traffic = Replica(), Traffic()
     state = ServingState(CONFIG, {"m": {"default": replica}}, traffic)  # type: ignore[arg-type]
     forwarder = Forwarder(CONFIG, AccessControl(CONFIG), BodyReader(CONFIG.gateway), state,

@@ -20,7 +20,7 @@ from shunter.deployments.relay import relay
 from shunter.deployments.replica_call import Started
 from shunter.deployments.request_end import RequestEnd
 from shunter.deployments.telemetry import RequestTelemetry
-from shunter.ops.admission import AdmissionGate
+from shunter.ops.admission import AdmissionGate, DispatchQueue
 from shunter.ops.draining import DrainTracker
 
 pytestmark = pytest.mark.unit
@@ -87,9 +87,12 @@ class Request:
         self.drains, self.versions = DrainTracker("smol"), []
         self.stream = stream
         self.end.reserve(self.ticket)
+        self.queue = DispatchQueue(lambda: 4)
         if admitted:
             assert self.gate.try_admit(4) is None
             self.end.hold(self.gate)
+            self.queue.dispatched += 1  # its turn came at once (DispatchQueue.enter with room)
+            self.end.dispatched(self.queue)
 
     def answered(self, streamed: bool) -> Started:
         started = Started("replica-a", {"stream": streamed, "status": 200}, self.stream, None, "rid.1")
@@ -101,6 +104,7 @@ class Request:
         assert self.end.settled and self.tel._done
         assert [s for s, _, _ in self.ticket.settles] == [status], "quota settled once, at the client's status"
         assert self.gate.admitted == 0, "the admission slot is back"
+        assert self.queue.dispatched == 0, "the dispatch turn is back"
         if self.end.reply is not None:
             assert self.routing.finished_ids == ["rid.1"], "the routers' in-flight count, once"
             assert self.drains.open == {}, "no stream left counted open on the replica"

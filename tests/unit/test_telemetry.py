@@ -38,11 +38,27 @@ def clean():
     EXPORTER.clear()
 
 
-def _chunk(content: str) -> str:
-    return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content}}]}) + "\n\n"
+# vLLM's own layout (pydantic's compact JSON, `usage` last), read without decoding the event, and a spaced
+# layout, which takes the decoding path: both must give the same counts and the same events.
+LAYOUTS = {"vllm": {"separators": (",", ":"), "ensure_ascii": False}, "spaced": {}}
 
 
-USAGE = "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}) + "\n\n"
+@pytest.fixture(params=sorted(LAYOUTS))
+def dumps(request):
+    return lambda obj: json.dumps(obj, **LAYOUTS[request.param])
+
+
+def _event(dumps, obj) -> str:
+    return "data: " + dumps(obj) + "\n\n"
+
+
+def _chunk(dumps, content: str) -> str:
+    return _event(dumps, {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+                          "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]})
+
+
+def _usage(dumps) -> str:
+    return _event(dumps, {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}})
 
 
 def test_a_stream_always_asks_the_engine_for_running_usage_without_changing_the_clients_body():
@@ -53,43 +69,52 @@ def test_a_stream_always_asks_the_engine_for_running_usage_without_changing_the_
     assert ask_for_usage({"stream": False}) == {"stream": False}
 
 
-def _running(content: str, index: int, completion: int, prompt: int = 7) -> str:
-    return "data: " + json.dumps({"choices": [{"index": index, "delta": {"content": content}}],
-                                  "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                            "total_tokens": prompt + completion}}) + "\n\n"
+def _running(dumps, content: str, index: int, completion: int, prompt: int = 7) -> str:
+    return _event(dumps, {"id": "chatcmpl-1", "object": "chat.completion.chunk",
+                          "choices": [{"index": index, "delta": {"content": content}, "finish_reason": None}],
+                          "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                    "total_tokens": prompt + completion, "prompt_tokens_details": None}})
 
 
 @pytest.mark.parametrize("client_asked", [False, True])
-def test_running_usage_counts_the_tokens_so_far_and_reaches_only_a_client_that_asked(client_asked):
+def test_running_usage_counts_the_tokens_so_far_and_reaches_only_a_client_that_asked(client_asked, dumps):
     tel = RequestTelemetry("m", "chat", {}, "req-1", client_wants_usage=True, continuous_usage=client_asked)
     tel.choices_per_prompt = 2
-    relayed = [tel.chunk(c) for c in (_running("a", 0, 1), _running("b", 1, 1), _running("c", 0, 2))]
-    assert ("usage" in json.loads(relayed[0][len("data: "):])) == client_asked
-    assert json.loads(relayed[2][len("data: "):])["choices"][0]["delta"]["content"] == "c"
+    sent = [_running(dumps, "a", 0, 1), _running(dumps, "b", 1, 1), _running(dumps, "c\"}, \"usage\": {", 0, 2)]
+    relayed = [tel.chunk(c) for c in sent]
+    events = [json.loads(r[len("data: "):]) for r in relayed]
+    assert [("usage" in e) for e in events] == [client_asked] * 3
+    assert [e["choices"][0]["delta"]["content"] for e in events] == ["a", "b", 'c"}, "usage": {']
+    assert all(r.endswith("}\n\n") for r in relayed)
+    if client_asked:
+        assert relayed == sent, "the engine's bytes pass through"
     # cut here (the client hung up): two choices, 2 + 1 tokens so far, one prompt of 7
     assert (tel.prompt_tokens, tel.completion_tokens) == (7, 3)
 
 
-def test_a_batch_counts_each_prompt_once():
+def test_a_batch_counts_each_prompt_once(dumps):
     tel = RequestTelemetry("m", "completion", {}, "req-1")
     tel.choices_per_prompt = 2  # choices 0, 1 answer prompt 0; 2, 3 prompt 1
     for index, prompt in [(0, 5), (1, 5), (2, 9), (3, 9), (3, 9)]:
-        tel.chunk(_running("x", index, 1, prompt))
+        tel.chunk(_running(dumps, "x", index, 1, prompt))
     assert (tel.prompt_tokens, tel.completion_tokens) == (14, 4)
+    tel.choices_per_prompt = 20
+    tel.chunk(_running(dumps, "x", 13, 2, 9))  # a two-digit index
+    assert tel._completion_by_choice[13] == 2
 
 
-def test_an_error_event_inside_a_stream_is_noted_for_the_relay():
+def test_an_error_event_inside_a_stream_is_noted_for_the_relay(dumps):
     tel = RequestTelemetry("m", "chat", {}, "req-1")
     error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
-    assert tel.chunk("data: " + json.dumps(error) + "\n\n")
+    assert tel.chunk(_event(dumps, error))
     assert tel.in_band_error == error["error"]
 
 
 @pytest.mark.parametrize("client_asked", [False, True])
-def test_the_usage_chunk_counts_tokens_and_reaches_only_a_client_that_asked(client_asked):
+def test_the_usage_chunk_counts_tokens_and_reaches_only_a_client_that_asked(client_asked, dumps):
     tel = RequestTelemetry("m", "chat", {}, "req-1", client_wants_usage=client_asked)
-    relayed = [tel.chunk(c) for c in (_chunk("a"), _chunk("b"), USAGE, "data: [DONE]\n\n")]
-    assert relayed[:2] == [_chunk("a"), _chunk("b")] and relayed[3] == "data: [DONE]\n\n"
+    relayed = [tel.chunk(c) for c in (_chunk(dumps, "a"), _chunk(dumps, "b"), _usage(dumps), "data: [DONE]\n\n")]
+    assert relayed[:2] == [_chunk(dumps, "a"), _chunk(dumps, "b")] and relayed[3] == "data: [DONE]\n\n"
     assert (relayed[2] is not None) == client_asked
     assert (tel.prompt_tokens, tel.completion_tokens) == (7, 3)
     assert tel.streamed and len(tel._itl) == 1, "one gap between the two token chunks"
@@ -123,7 +148,7 @@ def test_the_replica_span_continues_the_carrier_and_marks_the_first_token():
         carrier = tracing.inject()
 
     async def reply():
-        for item in ("accepted", {"status": 200, "stream": True}, _chunk("x"), _chunk("y")):
+        for item in ("accepted", {"status": 200, "stream": True}, _chunk(json.dumps, "x"), _chunk(json.dumps, "y")):
             yield item
 
     async def relay() -> list:
@@ -154,8 +179,8 @@ def test_spans_never_carry_the_key_or_the_prompt_by_default_and_the_end_callback
     tel.on_finish.append(lambda status, prompt, completion: seen.append((status, prompt, completion)))
     tel.routing("v1", attempt=1)
     tel.accepted("replica-1")
-    tel.chunk(_chunk("secret prompt echo"))
-    tel.chunk(USAGE)
+    tel.chunk(_chunk(json.dumps, "secret prompt echo"))
+    tel.chunk(_usage(json.dumps))
     tel.finish(200)
     tel.finish(200)  # once only
     assert seen == [("200", 7, 3)]

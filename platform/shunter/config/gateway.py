@@ -71,4 +71,10 @@ class GatewayConfig(StrictModel):
         "microseconds; slow uploads cannot hold more than this many of the replica's "
         "`max_ongoing_requests` slots.",
     )
+    token_channel: bool = Field(
+        default=True,
+        description="Streams' chunks after the first travel from the model replica to the gateway over one "
+        "ZeroMQ connection per (gateway, replica), a batch per engine step, instead of one Ray message per "
+        "chunk (what most of the serving CPU per token was; docs/design.md). Off: every chunk on Ray.",
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="What one request may ask for.")

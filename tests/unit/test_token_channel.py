@@ -1,0 +1,215 @@
+"""The token channel over real ZeroMQ sockets on loopback, without Ray: who may listen, batching per loop
+turn, a gateway gone, and the gateway's relay of a stream that moves to the channel (the real Forwarder
+and relay in front of a stand-in replica that speaks the replica protocol and sends on a real
+ReplicaChannel)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from shunter.deployments.replica_call import DrainTimeout, RequestDeadline, StreamIdle, next_chunk
+from shunter.deployments.token_channel import HELLO, ChannelLost, GatewayChannels, ReplicaChannel
+from shunter.replica_protocol import Accepted, Moved
+from tests.unit.test_forward import MODEL, TOKEN, Replica, _body, _request, build_pipeline
+
+pytestmark = pytest.mark.unit
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_chunks_reach_only_a_gateway_whose_id_came_through_ray_and_arrive_in_one_message_per_loop_turn():
+    async def run() -> None:
+        replica = ReplicaChannel("127.0.0.1")
+        gateway = GatewayChannels()
+        stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        stranger.setsockopt(zmq.IDENTITY, b"stranger")
+        stranger.connect(replica.address)
+        await stranger.send(HELLO)
+        inbox = gateway.open("r1")
+        gateway.connect(replica.address)
+        await asyncio.sleep(0.2)
+        assert not replica.ready("stranger-not-announced-by-ray") and not replica.ready("nobody")
+        await _until(lambda: replica.ready(gateway.id))
+        for i in range(5):  # one loop turn: one message
+            replica.send(gateway.id, "r1", f"chunk {i}")
+        replica.send(gateway.id, "r1", None)
+        replica.send(gateway.id, "other-request", "not for r1")
+        await _until(lambda: inbox.qsize() == 6)
+        assert [inbox.get_nowait() for _ in range(6)] == [f"chunk {i}" for i in range(5)] + [None]
+        # the stranger connected and said hello, but no request ever named it: it got nothing
+        assert await stranger.poll(100) == 0
+        stranger.close(linger=0)
+        replica.close()
+
+    asyncio.run(run())
+
+
+def test_a_gateway_that_went_away_ends_its_streams_on_the_replica():
+    async def run() -> None:
+        replica = ReplicaChannel("127.0.0.1")
+        gateway = GatewayChannels()
+        gateway.open("r1")
+        gateway.connect(replica.address)
+        await _until(lambda: replica.ready(gateway.id))
+        for socket, task in gateway._links.values():  # the gateway process dies
+            task.cancel()
+            socket.close(linger=0)
+        await asyncio.sleep(0.2)
+        replica.send(gateway.id, "r1", "lost")
+        await asyncio.sleep(0.05)  # the flush finds the peer gone
+        with pytest.raises(ChannelLost):
+            replica.send(gateway.id, "r1", "next")
+        assert not replica.ready(gateway.id)
+        replica.close()
+
+    asyncio.run(run())
+
+
+ROUTING = SimpleNamespace(departed_at=lambda replica: None)
+
+
+@pytest.mark.parametrize("limit", ["silence", "idle", "deadline", "drain"])
+def test_a_moved_streams_wait_is_bounded_like_a_ray_streams(limit):
+    model = SimpleNamespace(routing=SimpleNamespace(replica_timeout_s=0.3 if limit == "silence" else 60.0),
+                            draining=SimpleNamespace(timeout_s=0.2))
+    routing = SimpleNamespace(departed_at=lambda replica: 0.0) if limit == "drain" else ROUTING
+    expected = {"silence": asyncio.TimeoutError, "idle": StreamIdle, "deadline": RequestDeadline,
+                "drain": DrainTimeout}[limit]
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        inbox.put_nowait("ready")
+        deadline = loop.time() + 0.3 if limit == "deadline" else math.inf
+        idle = 0.3 if limit == "idle" else math.inf
+        if limit != "drain":
+            assert await next_chunk(inbox, model, routing, "r", deadline, idle) == "ready"
+        with pytest.raises(expected):
+            await asyncio.wait_for(next_chunk(inbox, model, routing, "r", deadline, idle), 5)
+
+    asyncio.run(run())
+
+
+class MovingReplica(Replica):
+    """A stand-in replica with a real token channel: the head and first chunk on its Ray stream, then
+    `Moved`, the rest over the channel (or, with `fail_after_move`, its Ray call failing instead)."""
+
+    def __init__(self, fail_after_move: bool = False, hang_after_move: bool = False) -> None:
+        super().__init__()
+        self.fail_after_move, self.hang_after_move = fail_after_move, hang_after_move
+        self.channel: ReplicaChannel | None = None
+        self.cancelled: list[str] = []
+
+    def remote(self, request: Any) -> Any:
+        self.routing.dispatched("replica-1", request.request_id)
+        return _Call(self._serve(request), self.cancelled, request.request_id)
+
+    async def _serve(self, request: Any):
+        yield Accepted("replica-1", self.channel.address)
+        yield {"status": 200, "body": None, "stream": True}
+        yield TOKEN
+        await _until(lambda: self.channel.ready(request.channel))
+        yield Moved()
+        for _ in range(3):
+            self.channel.send(request.channel, request.request_id, TOKEN)
+            await asyncio.sleep(0.01)
+        if self.fail_after_move:
+            raise RuntimeError("ActorDiedError: the replica died")
+        if self.hang_after_move:
+            await asyncio.sleep(3600)
+        self.channel.send(request.channel, request.request_id, "data: [DONE]\n\n")
+        self.channel.send(request.channel, request.request_id, None)
+
+
+class _Call:
+    def __init__(self, gen: Any, cancelled: list[str], request_id: str):
+        self.gen, self.cancelled, self.request_id = gen, cancelled, request_id
+
+    def __aiter__(self) -> _Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.gen.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled.append(self.request_id)
+
+
+@pytest.fixture
+def pipeline() -> Any:
+    return build_pipeline()
+
+
+def _moving(pipeline, **kind: bool) -> tuple[Any, MovingReplica]:
+    forwarder, replica, traffic = pipeline
+    moving = MovingReplica(**kind)
+    moving.routing = replica.routing
+    forwarder.state.servers["m"]["default"] = moving
+    return forwarder, moving
+
+
+def test_a_stream_that_moves_to_the_channel_reaches_the_client_whole_and_in_order(pipeline):
+    forwarder, moving = _moving(pipeline)
+
+    async def run() -> str:
+        moving.channel = ReplicaChannel("127.0.0.1")
+        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        text = "".join([chunk async for chunk in response.body_iterator])
+        moving.channel.close()
+        return text
+
+    text = asyncio.run(run())
+    events = [e for e in text.split("\n\n") if e]
+    assert len(events) == 5 and events[-1] == "data: [DONE]", "the first chunk on Ray, three on the channel"
+    assert all(json.loads(e[len("data: "):])["choices"][0]["delta"]["content"] == "hi" for e in events[:4])
+    assert moving.cancelled == [], "a stream that ended is not cancelled"
+    assert forwarder.state.gate(MODEL).admitted == 0 and moving.routing.load("replica-1") == 0
+    assert forwarder.calls.channels._inboxes == {}, "the inbox is closed with the request"
+
+
+def test_a_replica_failing_after_the_move_ends_the_stream_with_an_error_event(pipeline):
+    forwarder, moving = _moving(pipeline, fail_after_move=True)
+
+    async def run() -> str:
+        moving.channel = ReplicaChannel("127.0.0.1")
+        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        text = "".join([chunk async for chunk in response.body_iterator])
+        moving.channel.close()
+        return text
+
+    text = asyncio.run(run())
+    last = json.loads(text.strip().split("\n\n")[-1][len("data: "):])
+    assert last["error"]["code"] == "stream_interrupted" and "RuntimeError" in last["error"]["message"]
+    assert text.count('"content":"hi"') == 4, "every chunk sent before the failure reached the client"
+    assert forwarder.state.gate(MODEL).admitted == 0 and forwarder.calls.channels._inboxes == {}
+
+
+def test_a_client_leaving_a_moved_stream_cancels_the_replicas_work_and_closes_the_inbox(pipeline):
+    forwarder, moving = _moving(pipeline, hang_after_move=True)
+
+    async def run() -> None:
+        moving.channel = ReplicaChannel("127.0.0.1")
+        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        body = response.body_iterator
+        for _ in range(4):
+            await body.__anext__()
+        await body.aclose()  # the client hung up
+        moving.channel.close()
+
+    asyncio.run(run())
+    assert len(moving.cancelled) == 1, "the replica's work is cancelled"
+    assert forwarder.state.gate(MODEL).admitted == 0 and forwarder.calls.channels._inboxes == {}
