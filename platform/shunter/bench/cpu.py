@@ -20,6 +20,11 @@ import psutil
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 
+def _starts_engines(label: str) -> bool:
+    """Serve replicas (Shunter's, Ray Serve LLM's) and vLLM's own API server start engine processes."""
+    return label.startswith("ray::ServeReplica") or "vllm.entrypoints" in label
+
+
 @dataclass
 class CpuUse:
     engine_s: float
@@ -32,17 +37,28 @@ class CpuUse:
 
 
 def _snapshot() -> dict[tuple[int, float], tuple[str, float]]:
+    """(pid, start time) -> (label, CPU seconds). An engine process is labelled by its vLLM title. Its
+    title does not always reach its command line (seen here: an engine core still showing as Python's
+    `multiprocessing.spawn` child with 20 s of CPU), so a spawned child of a Serve replica or of vLLM's
+    API server, the processes that start engines, counts as the engine too."""
     me = os.getpid()
-    seen: dict[tuple[int, float], tuple[str, float]] = {}
-    for proc in psutil.process_iter(["pid", "create_time", "cmdline", "name"]):
+    found: dict[int, tuple[float, str, int, float]] = {}
+    for proc in psutil.process_iter(["pid", "ppid", "create_time", "cmdline", "name"]):
         try:
             if proc.info["pid"] == me:
                 continue
             times = proc.cpu_times()
             label = " ".join(proc.info["cmdline"] or []) or proc.info["name"] or "?"
-            seen[(proc.info["pid"], proc.info["create_time"])] = (label, times.user + times.system)
+            found[proc.info["pid"]] = (proc.info["create_time"], label, proc.info["ppid"] or 0,
+                                       times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    seen: dict[tuple[int, float], tuple[str, float]] = {}
+    for pid, (created, label, ppid, cpu) in found.items():
+        parent = found.get(ppid, (0.0, "", 0, 0.0))[1]
+        if "multiprocessing.spawn" in label and _starts_engines(parent):
+            label = f"{ENGINE_TITLES[0]} (untitled: {label})"
+        seen[(pid, created)] = (label, cpu)
     return seen
 
 
