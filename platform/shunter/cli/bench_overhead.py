@@ -11,8 +11,9 @@ messages rendered by the model's own chat template:
     shunter bench overhead [--config configs/local.yaml] [--model NAME] [--concurrency 1,8,32]
 
 `shunter bench suite` (what `make bench` runs) adds the naive baseline (transformers `generate`, one
-request at a time) and a shared-prefix run against Shunter, and writes docs/benchmarks.md with its
-plots under docs/img/. Benchmarks report; they never assert.
+request at a time), a shared-prefix run against Shunter, the routing policies side by side and two
+saturation bursts (`shunter bench saturation`), and writes docs/benchmarks.md with its plots under
+docs/img/. Benchmarks report; they never assert.
 """
 
 from __future__ import annotations
@@ -270,6 +271,10 @@ def suite_main(argv: list[str] | None = None) -> int:
     baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
     routing = compare_routing(args.config, args.model, list(POLICIES))
+    from shunter.cli.bench_saturation import measure as saturation
+
+    result["saturation"] = [*saturation(args.config, args.model, 256, 1, 32, with_vllm_server=True),
+                            *saturation(args.config, args.model, 400, 2, 32, with_vllm_server=True)]
     env = environment()
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
@@ -287,6 +292,7 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
     from shunter.cli.bench_routing import routing_section
+    from shunter.cli.bench_saturation import table as saturation_table
 
     machine = env["machine"]
     c32 = next(r for r in result["overhead"] if r["concurrency"] == 32)
@@ -333,4 +339,27 @@ replica: {shared['workload']['groups']} groups of {shared['workload']['requests'
 
 ![latency CDFs of the shared-prefix run](img/shared-prefix-cdf.png)
 
-{routing_section(result["routing"])}"""
+{routing_section(result["routing"])}
+
+## 5. Saturation
+
+A burst of concurrent streams (32 tokens each) far past what the engine takes at once: 256 on one
+replica owning both cores, then 400 on two one-core replicas, against vLLM's own server on the same
+cores (`shunter bench saturation`). Shunter admits `replicas x max_ongoing_requests` plus
+`admission.max_queued_requests` and refuses the rest with 429 (refusal latency: to the status line);
+vLLM's server queues everything. Wall time and TTFT are over the requests each side served.
+
+{saturation_table(result["saturation"])}
+
+{_saturation_ratios(result["saturation"])}"""
+
+
+def _saturation_ratios(rows: list[dict[str, Any]]) -> str:
+    """One sentence per burst: Shunter's wall time over vLLM's server's, and its refusal p99."""
+    lines = []
+    for server, ours in zip(rows[::2], rows[1::2], strict=True):
+        refusal = ours["refusal_p99_s"]
+        lines.append(f"- {ours['streams']} streams: Shunter's wall time {ours['wall_s'] / server['wall_s']:.2f}x vLLM's "
+                     f"server's ({ours['served']} served, {ours['refused']} refused"
+                     + (f", refusals within {refusal * 1000:.0f} ms p99)" if refusal is not None else ")"))
+    return "\n".join(lines)
