@@ -97,8 +97,8 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
         yield _event(f"the stream from model {model.name!r} broke: {why}", 503, "stream_interrupted")
         finished = True
     finally:
-        if ray_end is not None and not ray_end.done():
-            ray_end.cancel()
+        if ray_end is not None and not ray_end.done() and not finished:
+            ray_end.cancel()  # a stream that ended leaves its Ray call to return by itself: no cancellation
         end.settle(end.stream_status(ok, aborted, cut), finished=finished, ok=ok, aborted=aborted)
 
 

@@ -98,6 +98,7 @@ class DispatchQueue:
     async def enter(self, timeout_s: float) -> bool:
         """Wait for this request's turn: True once it may go, False after `timeout_s` (it then holds
         nothing). A request cancelled while it waits holds nothing either."""
+        self._pump()  # drops turns given up, so a queue of only those is no queue
         if not self._waiting and self.dispatched < self._room():
             self.dispatched += 1
             return True
@@ -112,12 +113,14 @@ class DispatchQueue:
             if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
                 return True
             turn.cancel()
+            self._pump()
             return False
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self.leave()
             else:
                 turn.cancel()
+                self._pump()
             raise
 
     def leave(self) -> None:

@@ -140,3 +140,18 @@ def test_a_request_cancelled_as_its_turn_came_gives_the_turn_back():
         assert queue.dispatched == 0, "the turn is not leaked"
 
     _run(run())
+
+
+def test_turns_given_up_do_not_hold_back_the_next_request():
+    async def run() -> None:
+        capacity = [1]
+        queue = DispatchQueue(lambda: capacity[0], tick_s=60)  # no tick to rescue a stuck request
+        assert await queue.enter(timeout_s=1)
+        gone = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        capacity[0] = 2  # a replica started; nothing ended
+        assert await asyncio.wait_for(queue.enter(timeout_s=5), 0.5), "room and no live waiter: no wait"
+
+    _run(run())
