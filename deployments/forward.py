@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -181,11 +182,16 @@ class Forwarder:
         tel.version = versions[0]
         gate = self.state.gate(model)
         capacity = self.state.capacity(model)
-        retry_after = gate.try_admit(capacity)
+        # Never admit a request expected to wait for a slot past the queue timeout (it would end in a 503
+        # after that wait), nor past the model's own wait budget.
+        max_wait = min(model.admission.max_wait_s or math.inf, self.config.gateway.queue_timeout_s)
+        retry_after = gate.try_admit(capacity, max_wait)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
+            wait = gate.expected_wait_s(capacity)
+            about = f" (about {wait:.0f}s of waiting)" if wait else ""
             return error_response(429, f"model {model.name!r} is overloaded: {gate.queued(capacity)} requests are "
-                                  f"already waiting for a replica; retry in {retry_after}s", code="queue_full",
+                                  f"already waiting for a replica{about}; retry in {retry_after}s", code="queue_full",
                                   headers={"Retry-After": str(retry_after)})
         end.hold(gate)
         tel.admitted()

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 DEFAULT_RETRY_AFTER_S = 5
 MAX_RETRY_AFTER_S = 60
+MIN_FINISHES_FOR_RATE = 8  # finishes in the window before the wait bound trusts the rate
 
 
 class AdmissionGate:
@@ -40,12 +41,29 @@ class AdmissionGate:
         self.admitted = 0
         self._finished: deque[float] = deque()  # when recent admitted requests finished
 
-    def try_admit(self, capacity: int) -> int | None:
-        """Admit one request (None), or refuse it: the seconds a client should wait before retrying."""
-        if self.admitted < max(0, capacity) + self.max_queued:
-            self.admitted += 1
+    def try_admit(self, capacity: int, max_wait_s: float = math.inf) -> int | None:
+        """Admit one request (None), or refuse it: the seconds a client should wait before retrying. It is
+        refused past the count bound, and when it would wait for a slot longer than `max_wait_s` as far
+        as the recent finish rate tells (no rate yet: the count alone decides)."""
+        if self.admitted >= max(0, capacity) + self.max_queued:
+            return self.retry_after_s(capacity)
+        wait = self.expected_wait_s(capacity)
+        if wait is not None and wait > max_wait_s:
+            return self.retry_after_s(capacity)
+        self.admitted += 1
+        return None
+
+    def expected_wait_s(self, capacity: int) -> float | None:
+        """How long a request admitted now would wait for a slot: 0 while there is room, else the requests
+        ahead of it over the rate admitted requests finish; None while too few finished to tell."""
+        ahead = self.admitted - max(0, capacity)
+        if ahead < 0:
+            return 0.0
+        self._expire()
+        if len(self._finished) < MIN_FINISHES_FOR_RATE:
             return None
-        return self.retry_after_s(capacity)
+        span = max(1.0, self.clock() - self._finished[0])
+        return (ahead + 1) / (len(self._finished) / span)
 
     def release(self) -> None:
         """An admitted request finished, however it ended."""

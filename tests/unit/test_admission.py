@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from shunter.ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate, DispatchQueue
 from tests.unit.fake_clock import Clock
 
@@ -155,3 +157,23 @@ def test_turns_given_up_do_not_hold_back_the_next_request():
         assert await asyncio.wait_for(queue.enter(timeout_s=5), 0.5), "room and no live waiter: no wait"
 
     _run(run())
+
+
+def test_a_request_expected_to_wait_past_its_budget_is_refused_below_the_count_bound():
+    clock = Clock()
+    gate = AdmissionGate(max_queued=100, clock=clock)
+    assert [gate.try_admit(capacity=2, max_wait_s=10) for _ in range(2)] == [None, None], "room: no wait"
+    assert gate.try_admit(capacity=2, max_wait_s=10) is None, "no finish rate yet: the count alone decides"
+    assert gate.expected_wait_s(capacity=2) is None
+    for _ in range(8):  # 8 finishes over 8 s: 1 a second
+        clock.now += 1
+        gate.release()
+        assert gate.try_admit(capacity=2) is None  # refilled at once
+    assert gate.queued(capacity=2) == 1
+    assert gate.expected_wait_s(capacity=2) == pytest.approx((1 + 1) / (8 / 7))
+    admitted = 0
+    while gate.try_admit(capacity=2, max_wait_s=10) is None:
+        admitted += 1
+    # about 10 s of waiting at 8 finishes in 7 s: 11 ahead, then the next is past the budget
+    assert admitted == 10 and gate.queued(capacity=2) == 11
+    assert gate.try_admit(capacity=2) is None, "without a budget the count bound alone applies"

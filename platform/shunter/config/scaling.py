@@ -48,6 +48,15 @@ class AdmissionConfig(StrictModel):
         "once (replicas x max_ongoing_requests). Past it, new requests get 429 with Retry-After; admitted "
         "requests are never affected. Split evenly across gateway replicas.",
     )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Longest a new request is expected to wait for a replica slot (a time-to-first-token "
+        "budget): past it, it gets 429 even below max_queued_requests. The expected wait is the requests "
+        "queued ahead of it over the rate admitted requests have been finishing (once at least 8 finished "
+        "in the last 30 s). Whether or not this is set, a request is never admitted to wait longer than "
+        "gateway.queue_timeout_s, which would end it with 503 queue_timeout after that wait.",
+    )
 
 
 class DrainingConfig(StrictModel):
