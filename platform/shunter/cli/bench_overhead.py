@@ -30,14 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.app_files import generate_model_of
-from shunter.cli.bench_peers import ray_serve_llm_app, vllm_server
+from shunter.cli.bench_peers import QUESTIONS, ray_serve_llm_app, vllm_server
 from shunter.local_serve import local_serve
-
-QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in simple words.", "Write a haiku about rain.",
-    "Why is the sky blue?", "Give three tips for learning to cook.", "What does a compiler do?",
-    "Describe a cat to someone who has never seen one.", "How do airplanes stay in the air?",
-]
 
 
 @dataclass

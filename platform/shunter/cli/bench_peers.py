@@ -1,6 +1,7 @@
 """The peers `shunter bench` measures Shunter against, each on the same engine settings and cores:
 vLLM's own OpenAI server (a subprocess) and Ray Serve LLM 2.60 (`build_openai_app`, deployed on the
-benchmark's local Ray cluster; how it runs on CPU: ../shared/notes/ray-serve-llm-cpu.md)."""
+benchmark's local Ray cluster; how it runs on CPU: ../shared/notes/ray-serve-llm-cpu.md), and the
+chat questions every side of `shunter bench overhead` and `shunter bench saturation` is asked."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import time
 from typing import Any
 
 from shunter.local_serve import free_port
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in simple words.", "Write a haiku about rain.",
+    "Why is the sky blue?", "Give three tips for learning to cook.", "What does a compiler do?",
+    "Describe a cat to someone who has never seen one.", "How do airplanes stay in the air?",
+]
 
 
 def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[subprocess.Popen, str]:

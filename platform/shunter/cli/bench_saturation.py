@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.app_files import generate_model_of
-from shunter.cli.bench_overhead import QUESTIONS
-from shunter.cli.bench_peers import vllm_server
+from shunter.cli.bench_peers import QUESTIONS, vllm_server
 from shunter.local_serve import local_serve
 
 
