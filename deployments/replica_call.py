@@ -220,16 +220,8 @@ async def next_item(stream: Any, model: ModelConfig, routing: DeploymentRouting,
                 silent_until = time.monotonic() + min(silence, idle_s)
                 pending = asyncio.ensure_future(stream.__anext__())
             now = time.monotonic()
-            departed = routing.departed_at(replica)
-            drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
-            if now >= drain_until:
-                raise DrainTimeout()
-            if now >= deadline:
-                raise RequestDeadline()
-            if now >= silent_until:
-                raise StreamIdle() if idle_s < silence else asyncio.TimeoutError()
-            done, _ = await asyncio.wait({pending}, timeout=min(silent_until, drain_until, deadline,
-                                                                now + 1.0) - now)
+            wait_s = _wait_left(now, model, routing, replica, deadline, silent_until, idle_s < silence)
+            done, _ = await asyncio.wait({pending}, timeout=wait_s)
             if done and not isinstance(pending.result(), Working):
                 return pending.result()
     finally:
@@ -244,19 +236,28 @@ async def next_chunk(inbox: asyncio.Queue, model: ModelConfig, routing: Deployme
     silence = model.routing.replica_timeout_s
     silent_until = time.monotonic() + min(silence, idle_s)
     while True:
-        now = time.monotonic()
-        departed = routing.departed_at(replica)
-        drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
-        if now >= drain_until:
-            raise DrainTimeout()
-        if now >= deadline:
-            raise RequestDeadline()
-        if now >= silent_until:
-            raise StreamIdle() if idle_s < silence else asyncio.TimeoutError()
+        wait_s = _wait_left(time.monotonic(), model, routing, replica, deadline, silent_until, idle_s < silence)
         if not inbox.empty():
             return inbox.get_nowait()
         try:
-            async with asyncio.timeout(min(silent_until, drain_until, deadline, now + 1.0) - now):
+            async with asyncio.timeout(wait_s):
                 return await inbox.get()
         except TimeoutError:
             continue
+
+
+def _wait_left(now: float, model: ModelConfig, routing: DeploymentRouting, replica: str, deadline: float,
+               silent_until: float, idle_is_shorter: bool) -> float:
+    """How long the next wait for a replica's item may last (at most a second, so a replica that leaves
+    mid-wait is noticed), or the bound already passed: DrainTimeout once the replica has been gone for
+    the drain timeout, RequestDeadline at the request's deadline, and at `silent_until` StreamIdle (the
+    client's idle limit, when shorter) or asyncio.TimeoutError (the replica's silence: its failure)."""
+    departed = routing.departed_at(replica)
+    drain_until = departed + model.draining.timeout_s if departed is not None else math.inf
+    if now >= drain_until:
+        raise DrainTimeout()
+    if now >= deadline:
+        raise RequestDeadline()
+    if now >= silent_until:
+        raise StreamIdle() if idle_is_shorter else asyncio.TimeoutError()
+    return min(silent_until, drain_until, deadline, now + 1.0) - now

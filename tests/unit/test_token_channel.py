@@ -162,17 +162,19 @@ def _moving(pipeline, **kind: bool) -> tuple[Any, MovingReplica]:
     return forwarder, moving
 
 
+async def _stream_through(forwarder: Any, moving: MovingReplica) -> str:
+    """A streamed chat through the real Forwarder to the moving replica: what the client received."""
+    moving.channel = ReplicaChannel("127.0.0.1")
+    response = await forwarder.forward(_request(_body(stream=True)), "chat")
+    text = "".join([chunk async for chunk in response.body_iterator])
+    moving.channel.close()
+    return text
+
+
 def test_a_stream_that_moves_to_the_channel_reaches_the_client_whole_and_in_order(pipeline):
     forwarder, moving = _moving(pipeline)
 
-    async def run() -> str:
-        moving.channel = ReplicaChannel("127.0.0.1")
-        response = await forwarder.forward(_request(_body(stream=True)), "chat")
-        text = "".join([chunk async for chunk in response.body_iterator])
-        moving.channel.close()
-        return text
-
-    text = asyncio.run(run())
+    text = asyncio.run(_stream_through(forwarder, moving))
     events = [e for e in text.split("\n\n") if e]
     assert len(events) == 5 and events[-1] == "data: [DONE]", "the first chunk on Ray, three on the channel"
     assert all(json.loads(e[len("data: "):])["choices"][0]["delta"]["content"] == "hi" for e in events[:4])
@@ -184,14 +186,7 @@ def test_a_stream_that_moves_to_the_channel_reaches_the_client_whole_and_in_orde
 def test_a_replica_failing_after_the_move_ends_the_stream_with_an_error_event(pipeline):
     forwarder, moving = _moving(pipeline, fail_after_move=True)
 
-    async def run() -> str:
-        moving.channel = ReplicaChannel("127.0.0.1")
-        response = await forwarder.forward(_request(_body(stream=True)), "chat")
-        text = "".join([chunk async for chunk in response.body_iterator])
-        moving.channel.close()
-        return text
-
-    text = asyncio.run(run())
+    text = asyncio.run(_stream_through(forwarder, moving))
     last = json.loads(text.strip().split("\n\n")[-1][len("data: "):])
     assert last["error"]["code"] == "stream_interrupted" and "RuntimeError" in last["error"]["message"]
     assert text.count('"content":"hi"') == 4, "every chunk sent before the failure reached the client"
