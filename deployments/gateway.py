@@ -7,9 +7,12 @@ This module only wires one gateway replica together; each concern has its own mo
 - `forward`: one OpenAI request's pipeline: the door's checks, route, admit, attempt, fail over;
 - `replica_call`: starting a request on one version's replicas, with failover and bounded waits;
 - `relay`: a started stream, to the client, and how it ends;
+- `token_channel`: the ZeroMQ link a stream's chunks after the first take from the replica (shared with
+  the ModelServer);
 - `request_end`: the one object that settles a request's quota, telemetry, routing, traffic record and
   admission slot, exactly once, however it ends;
-- `serving_state`: per model and version, the routing state, admission gate and drain tracker.
+- `serving_state`: per model and version, the routing state, admission gate, dispatch queue and drain
+  tracker.
 """
 
 from __future__ import annotations
