@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from shunter.auth import Caller
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
 from shunter.deployments.access import AccessControl
-from shunter.deployments.api_app import RETRY_AFTER_S, error_response
+from shunter.deployments.api_app import error_response
 from shunter.deployments.relay import relay
-from shunter.deployments.replica_call import ReplicaCalls, VersionFailed
+from shunter.deployments.replica_call import ReplicaCalls, VersionFailed, not_taken
 from shunter.deployments.request_body import BodyReader, model_field, parse
 from shunter.deployments.request_end import CLIENT_GONE, RequestEnd
 from shunter.deployments.serving_state import ServingState, all_replicas_out
@@ -197,13 +197,11 @@ class Forwarder:
         tel.admitted()
         queue = self.state.dispatch(model)
         wait = self.config.gateway.queue_timeout_s
-        if model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0])):
-            wait = max(wait, model.autoscaling.cold_start_timeout_s)
+        cold = model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0]))
+        if cold:
+            wait = max(wait, model.autoscaling.cold_start_timeout_s)  # type: ignore[union-attr]
         if not await queue.enter(wait):
-            ops_metrics.rejection(model.name, "queue_timeout")
-            log.warning("model %s: a request waited %ss for a replica slot", model.name, wait)
-            return error_response(503, f"no replica of model {model.name!r} could take the request within {wait:g}s; "
-                                  "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})
+            return not_taken(model, wait, cold)
         end.dispatched(queue)
         return await self._admitted(model, endpoint, ask_for_usage(body), versions, end, limits)
 

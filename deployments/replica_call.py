@@ -126,19 +126,7 @@ class ReplicaCalls:
         try:
             return await with_failover(attempt, model.routing.retry_once, failed)
         except QueueTimeout as timeout:
-            if timeout.cold_start:
-                ops_metrics.rejection(model.name, "cold_start_timeout")
-                log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
-                            model.name, timeout.waited_s)
-                raise VersionFailed(error_response(
-                    503, f"model {model.name!r} is scaled to zero and no replica started within "
-                    f"{timeout.waited_s:g}s; retry shortly", code="cold_start_timeout",
-                    headers={"Retry-After": RETRY_AFTER_S})) from None
-            ops_metrics.rejection(model.name, "queue_timeout")
-            log.warning("model %s: no replica accepted a request within %ss", model.name, timeout.waited_s)
-            raise VersionFailed(error_response(
-                503, f"no replica of model {model.name!r} could take the request within {timeout.waited_s:g}s; "
-                "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})) from None
+            raise VersionFailed(not_taken(model, timeout.waited_s, timeout.cold_start)) from None
         except AllReplicasOut:
             raise VersionFailed(all_replicas_out(model, routing)) from None
         except (ReplicaFailure, NoReplica) as exc:
@@ -203,6 +191,21 @@ class ReplicaCalls:
             if channels is not None:
                 channels.close(request.request_id)
             raise
+
+
+def not_taken(model: ModelConfig, waited_s: float, cold_start: bool) -> JSONResponse:
+    """The 503 for a request no replica took within its wait (the gateway's dispatch queue, or Ray's)."""
+    if cold_start:
+        ops_metrics.rejection(model.name, "cold_start_timeout")
+        log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
+                    model.name, waited_s)
+        return error_response(503, f"model {model.name!r} is scaled to zero and no replica started within "
+                              f"{waited_s:g}s; retry shortly", code="cold_start_timeout",
+                              headers={"Retry-After": RETRY_AFTER_S})
+    ops_metrics.rejection(model.name, "queue_timeout")
+    log.warning("model %s: no replica accepted a request within %ss", model.name, waited_s)
+    return error_response(503, f"no replica of model {model.name!r} could take the request within {waited_s:g}s; "
+                          "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def next_item(stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str,

@@ -36,7 +36,6 @@ import zmq.asyncio
 log = logging.getLogger("ray.serve")
 
 HELLO = b"hello"
-END = None  # the end mark of a stream on the channel
 MAX_LINKS = 512  # a gateway's connections to replicas, least recently used closed first
 
 
@@ -54,7 +53,6 @@ class ReplicaChannel:
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._announced: set[bytes] = set()  # ids that came through Ray
         self._greeted: set[bytes] = set()  # ids whose hello arrived
         self._lost: set[bytes] = set()
         self._outbox: dict[bytes, list[tuple[str, str | None]]] = {}
@@ -62,9 +60,9 @@ class ReplicaChannel:
         self._listener = asyncio.get_running_loop().create_task(self._listen())
 
     def ready(self, gateway: str) -> bool:
-        """Whether chunks for `gateway` (its channel id) can go over the channel; announces the id."""
+        """Whether chunks for `gateway` (its channel id, as it came inside a Ray request) can go over the
+        channel: that gateway said hello and was not lost since."""
         key = gateway.encode()
-        self._announced.add(key)
         return key in self._greeted and key not in self._lost
 
     def send(self, gateway: str, request_id: str, chunk: str | None) -> None:
@@ -121,7 +119,7 @@ class GatewayChannels:
         self._inboxes: dict[str, asyncio.Queue[Any]] = {}
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
-        """The inbox of a request about to be sent: its chunks in order, then `END` (they may arrive
+        """The inbox of a request about to be sent: its chunks in order, then `None` (they may arrive
         before the replica's `Moved` does on Ray)."""
         inbox = self._inboxes[request_id] = asyncio.Queue()
         return inbox

@@ -29,15 +29,6 @@ class KeyStore(Protocol):
     def keys(self, prefix: bytes) -> list[bytes]: ...
 
 
-class RayKeyStore(RayStore):
-    def keys(self, prefix: bytes) -> list[bytes]:
-        from ray.experimental import internal_kv
-
-        from shunter.ops.control import _KV_NAMESPACE
-
-        return internal_kv._internal_kv_list(prefix, namespace=_KV_NAMESPACE)
-
-
 def _prefix(app: str) -> bytes:
     return f"backlog/{app}/".encode()
 
@@ -48,7 +39,7 @@ class BacklogReporter:
     def __init__(self, app: str, gateway: str, store: KeyStore | None = None,
                  clock=time.time):  # noqa: ANN001 - a clock
         self.key = _prefix(app) + gateway.encode()
-        self.store = store or RayKeyStore()
+        self.store = store or RayStore()
         self.clock = clock
         self._last: tuple[float, dict[str, int]] | None = None
 
@@ -67,7 +58,7 @@ class BacklogReporter:
 
 def backlog(app: str, model: str, store: KeyStore | None = None, now: float | None = None) -> int:
     """Requests of `model` waiting in the app's gateways, as fresh reports say. Blocking."""
-    store = store or RayKeyStore()
+    store = store or RayStore()
     now = time.time() if now is None else now
     total = 0
     for key in store.keys(_prefix(app)):

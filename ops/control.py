@@ -91,6 +91,11 @@ class RayStore:
         # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
         internal_kv._internal_kv_put(key, value, overwrite=True, namespace=_KV_NAMESPACE)
 
+    def keys(self, prefix: bytes) -> list[bytes]:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_list(prefix, namespace=_KV_NAMESPACE)
+
 
 def read_state(app: str, store: Store | None = None) -> dict[str, Any]:
     """The saved state of `app` ({} when nothing was ever saved). A blocking call to the GCS: run it off
