@@ -1,7 +1,8 @@
 """A KubeRay RayService manifest from a Shunter Serve config (`shunter render kuberay FILE`).
 
 The Serve config goes into `serveConfigV2` unchanged but for what Kubernetes needs (the proxy listens on
-0.0.0.0:8000 on every node, where KubeRay's serve service points). The Ray cluster beside it is sized from
+0.0.0.0:8000 on every node, where KubeRay's serve service points; with direct ingress, the default, that
+proxy is Serve's HAProxy and every pod's env says so: `shunter.ingress`). The Ray cluster beside it is sized from
 the models: each GPU worker group is one kind of node (the config's `cluster.node_groups`, or, without
 one, a pod per accelerator type as large as its largest tensor-parallel stage); its maxReplicas are the
 nodes the planner fills with every model at its most replicas (a rollout's two versions included), its
@@ -18,6 +19,7 @@ from typing import Any
 
 from shunter.auth import open_public_bind
 from shunter.config import ShunterConfig
+from shunter.ingress import cluster_env
 from shunter.placement import NodeSpec, ReplicaDemand, declared_nodes, plan_cluster, replica_demands
 
 RAY_VERSION = "2.60.0"
@@ -176,8 +178,10 @@ def _container(name: str, image: str, cpus: int, memory_gib: int, gpus: int = 0,
     if head:
         ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
                  {"containerPort": 10001, "name": "client"}, {"containerPort": SERVE_PORT, "name": "serve"}, *ports]
+    # Every Ray process reads Serve's ingress variables: the same on every pod (shunter.ingress).
+    env = [{"name": k, "value": v} for k, v in cluster_env().items()]
     return {
-        "name": name, "image": image, "ports": ports,
+        "name": name, "image": image, "ports": ports, **({"env": env} if env else {}),
         "resources": {"limits": limits, "requests": dict(limits)},
         # Ray's sessions and vLLM's shared-memory transfers need more than the container default.
         "volumeMounts": [{"mountPath": "/dev/shm", "name": "dshm"}],

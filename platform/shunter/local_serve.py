@@ -1,21 +1,56 @@
 """Serving an app on this machine for a CLI command that measures or shows it (bench, demo): one local
 Ray cluster with Serve on a free port, apps deployed on it and waited for, everything stopped at the end.
-`shunter serve` is not one of these: it is the foreground server, with its own graceful Ctrl-C."""
+`shunter serve` is not one of these: it is the foreground server, with its own graceful Ctrl-C; it shares
+`local_cluster_env`, what any Ray cluster started on this machine needs for direct ingress."""
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from shunter.ingress import HA_PROXY, direct_ingress_wanted
+
+# Ray's default 30 s; it also raises an ingress deployment's graceful_shutdown_timeout_s to 35 s.
+MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+LOCAL_MIN_DRAINING_S = 2  # one machine, HAProxy reloaded within 0.1 s: no outside balancer to wait for
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
+    """What a Ray cluster started on this machine (`ray.init` here, or `ray start` by a test) needs for
+    direct ingress (`direct`; None: `shunter.ingress.direct_ingress_wanted()`), or to go without it.
+    `os.environ.update(local_cluster_env())` before `ray.init` gives it to every process of the cluster.
+
+    Ray's HAProxy keeps its files under /tmp/haproxy-serve and its stats and metrics on ports 8404 and
+    9101 by default, so two clusters on one machine (a test run beside `shunter serve`, or a cluster
+    starting while the last one's HAProxy is still stopping) would share them: each cluster gets its
+    own folder and free ports. An ingress replica told to stop keeps serving for
+    `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S` so that balancers in front of the HAProxy can take
+    it out (Ray's default 30 s); with nothing in front of a one-machine cluster it is 2 s unless set."""
+    if not (direct_ingress_wanted() if direct is None else direct):
+        return {HA_PROXY: "0"}
+    folder = tempfile.mkdtemp(prefix="shunter-haproxy-")
+    return {
+        HA_PROXY: "1",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(folder, "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        MIN_DRAINING: os.environ.get(MIN_DRAINING, str(LOCAL_MIN_DRAINING_S)),
+    }
 
 
 def wait_ready(base_url: str, timeout_s: float = 900, path: str = "/ready") -> None:
@@ -48,17 +83,29 @@ class LocalServe:
 
 
 @contextmanager
-def local_serve(metrics: bool = False) -> Iterator[LocalServe]:
+def local_serve(metrics: bool = False, direct_ingress: bool | None = None) -> Iterator[LocalServe]:
     """A Ray cluster and Serve in this process for the block; `metrics` exports Ray's metrics on a known
-    port (`metrics_url`). Serve and Ray are shut down however the block ends."""
+    port (`metrics_url`); `direct_ingress`: see `local_cluster_env` (a peer is measured as users run it,
+    behind Ray's proxy). Serve and Ray are shut down however the block ends, and this process's
+    environment is given back."""
     import ray
     from ray import serve
 
     metrics_port = free_port() if metrics else None
+    env = local_cluster_env(direct_ingress)
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the processes Ray starts inherit it
     # _metrics_export_port: ray.init has no public way to choose the exporter's port, and a scraper
     # started before the cluster must know it.
-    ray.init(include_dashboard=False, log_to_driver=False,
-             **({"_metrics_export_port": metrics_port} if metrics_port else {}))
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False,
+                 **({"_metrics_export_port": metrics_port} if metrics_port else {}))
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

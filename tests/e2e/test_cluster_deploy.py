@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from shunter.local_serve import free_port
+from shunter.local_serve import free_port, local_cluster_env
 
 from .live import CAPITAL_QUESTION, CHAT_MODEL, LOCAL_CONFIG, assert_capital, wait_ready
 
@@ -65,7 +65,9 @@ def test_ray_start_then_serve_deploy_local_config(exclusive_machine, tmp_path):
     config["http_options"]["port"] = http_port  # the shipped config, on a port no one else uses
     deploy_file = tmp_path / "local.yaml"
     deploy_file.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # `ray start` turns token auth on; the CLI must follow
+    # `ray start` turns token auth on; the CLI must follow. Direct ingress as the README's
+    # `RAY_SERVE_ENABLE_HA_PROXY=1 ray start --head`, with this cluster's own HAProxy files and ports.
+    env = {**os.environ, **local_cluster_env(), "RAY_AUTH_MODE": "token"}
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
         started = _run([str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=2",

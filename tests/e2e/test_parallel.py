@@ -12,6 +12,7 @@ Each app takes both cores of this machine, so they run one after another on a cl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from shunter.local_serve import free_port
+from shunter.local_serve import free_port, local_cluster_env
 
 from .live import CAPITAL_QUESTION, LiveApp, assert_capital, wait_ready
 
@@ -66,6 +67,7 @@ class Cluster:
         from ray import serve
 
         # On a GPU machine Ray finds the GPUs itself; the CPU tests keep to this machine's two cores.
+        os.environ.update(local_cluster_env())
         ray.init(include_dashboard=False, log_to_driver=False, **({} if gpus else {"num_cpus": 2}))
         try:
             port = free_port()

@@ -15,12 +15,13 @@ process's environment before the first app starts: Ray's processes inherit it.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shunter.local_serve import free_port
+from shunter.local_serve import free_port, local_cluster_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
@@ -45,6 +46,7 @@ def _start(metrics_port: int | None, host: str) -> int:
     from ray import serve
 
     extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    os.environ.update(local_cluster_env())  # direct ingress, as `shunter serve` starts its cluster
     # Replica processes import the fake engine from the repository's tests package.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **extra)

@@ -185,7 +185,7 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
     finally:
         proc.terminate()
         proc.wait(60)
-    with local_serve() as local:
+    with local_serve(direct_ingress=False) as local:  # Ray Serve LLM as `serve run` gives it
         local.deploy(ray_serve_llm_app(path, model.name, model.engine), "ray-serve-llm", ready_path="/v1/models")
         ray_llm = asyncio.run(bench_openai_endpoint("ray-serve-llm", local.base_url, model.name, levels, max_tokens))
     shared = None

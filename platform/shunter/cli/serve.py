@@ -11,6 +11,7 @@ Ctrl-C stops at once.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -47,6 +48,9 @@ def serve_main(args: argparse.Namespace) -> int:
     http: dict[str, Any] = raw.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
     names = [a["name"] for a in apps]
+    from shunter.local_serve import local_cluster_env
+
+    os.environ.update(local_cluster_env())  # direct ingress (shunter.ingress) for the processes Ray starts
     ray.init(namespace="serve")
     try:
         # Until the applications are deployed, Ctrl-C interrupts the start (KeyboardInterrupt) at once.

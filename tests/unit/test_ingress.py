@@ -1,0 +1,78 @@
+"""Direct ingress (Ray Serve's HAProxy in front of the gateways' own HTTP servers): who decides it, what a
+cluster started on this machine gets, and what the KubeRay pods get."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shunter.cli import load_app_configs
+from shunter.ingress import HA_PROXY, cluster_env, direct_ingress_wanted
+from shunter.kuberay import render_rayservice
+from shunter.local_serve import MIN_DRAINING, local_cluster_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    for name in (HA_PROXY, "SHUNTER_INGRESS", MIN_DRAINING):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_direct_ingress_is_the_default_and_ray_s_own_variable_wins(environ):
+    assert direct_ingress_wanted() and cluster_env() == {HA_PROXY: "1"}
+    environ.setenv("SHUNTER_INGRESS", "proxy")
+    assert not direct_ingress_wanted() and cluster_env() == {}
+    environ.setenv(HA_PROXY, "1")  # set by the operator: Ray reads it, so it is what happens
+    assert direct_ingress_wanted()
+    environ.setenv(HA_PROXY, "0")
+    environ.setenv("SHUNTER_INGRESS", "direct")
+    assert not direct_ingress_wanted()
+
+
+def test_an_unknown_ingress_mode_is_refused_by_name(environ):
+    environ.setenv("SHUNTER_INGRESS", "haproxy")
+    with pytest.raises(SystemExit, match="SHUNTER_INGRESS='haproxy'.*'direct'.*'proxy'"):
+        direct_ingress_wanted()
+
+
+def test_each_local_cluster_gets_its_own_haproxy_files_and_ports(environ):
+    first, second = local_cluster_env(), local_cluster_env()
+    assert first[HA_PROXY] == second[HA_PROXY] == "1"
+    for env in (first, second):
+        folder = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+        assert os.path.isdir(folder) and folder != "/tmp/haproxy-serve"
+        for name in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE"):
+            assert env[name].startswith(folder + os.sep)
+        assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (8404, 0)
+        assert env[MIN_DRAINING] == "2"  # nothing in front of a one-machine cluster to wait for
+    assert first["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] != second["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+    assert first["RAY_SERVE_HAPROXY_STATS_PORT"] != first["RAY_SERVE_HAPROXY_METRICS_PORT"]
+
+
+def test_a_local_cluster_keeps_an_operator_s_drain_period_and_says_no_when_off(environ):
+    environ.setenv(MIN_DRAINING, "30")
+    assert local_cluster_env()[MIN_DRAINING] == "30"
+    # Said explicitly, so a cluster started after one with direct ingress (same process) is without it.
+    assert local_cluster_env(direct=False) == {HA_PROXY: "0"}
+    environ.setenv("SHUNTER_INGRESS", "proxy")
+    assert local_cluster_env() == {HA_PROXY: "0"}
+
+
+def test_every_kuberay_pod_runs_serve_behind_haproxy(environ):
+    path = ROOT / "configs" / "gpu-llama-8b.yaml"
+    manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            assert {"name": HA_PROXY, "value": "1"} in container["env"], container["name"]
+    environ.setenv("SHUNTER_INGRESS", "proxy")
+    manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
+    assert "env" not in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
