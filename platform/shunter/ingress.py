@@ -21,6 +21,12 @@ from __future__ import annotations
 import os
 
 HA_PROXY = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy's worker threads (Ray's default 4). With more than one, a client that hangs up on a whole
+# (not streamed) request was often not passed on to the gateway: of 4 concurrent clients timing out,
+# 2-3 requests ran to completion (and counted as 200) through a 4-thread HAProxy, none through one
+# thread or straight to the gateway (2026-11-26, tests/e2e/test_api_keys_hostile.py's hang-up test).
+# One thread forwards far more than an LLM node streams.
+HAPROXY_THREADS = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 
 def direct_ingress_wanted(environ: dict[str, str] | None = None) -> bool:
@@ -34,7 +40,12 @@ def direct_ingress_wanted(environ: dict[str, str] | None = None) -> bool:
     return mode == "direct"
 
 
+def direct_ingress_env() -> dict[str, str]:
+    """The variables every process of a Ray cluster needs for direct ingress (an operator's own
+    `RAY_SERVE_HAPROXY_NBTHREAD` kept)."""
+    return {HA_PROXY: "1", HAPROXY_THREADS: os.environ.get(HAPROXY_THREADS, "1")}
+
+
 def cluster_env() -> dict[str, str]:
-    """The variables a Ray cluster started by its operator (pods, `ray start`) needs for direct ingress;
-    empty when it is not wanted."""
-    return {HA_PROXY: "1"} if direct_ingress_wanted() else {}
+    """`direct_ingress_env()` when direct ingress is wanted, else nothing (Ray's default)."""
+    return direct_ingress_env() if direct_ingress_wanted() else {}

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shunter.ingress import HA_PROXY, direct_ingress_wanted
+from shunter.ingress import HA_PROXY, direct_ingress_env, direct_ingress_wanted
 
 # Ray's default 30 s; it also raises an ingress deployment's graceful_shutdown_timeout_s to 35 s.
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
@@ -42,7 +42,7 @@ def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
         return {HA_PROXY: "0"}
     folder = tempfile.mkdtemp(prefix="shunter-haproxy-")
     return {
-        HA_PROXY: "1",
+        **direct_ingress_env(),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,

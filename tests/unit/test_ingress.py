@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from shunter.cli import load_app_configs
-from shunter.ingress import HA_PROXY, cluster_env, direct_ingress_wanted
+from shunter.ingress import HA_PROXY, HAPROXY_THREADS, cluster_env, direct_ingress_wanted
 from shunter.kuberay import render_rayservice
 from shunter.local_serve import MIN_DRAINING, local_cluster_env
 
@@ -19,13 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def environ(monkeypatch):
-    for name in (HA_PROXY, "SHUNTER_INGRESS", MIN_DRAINING):
+    for name in (HA_PROXY, HAPROXY_THREADS, "SHUNTER_INGRESS", MIN_DRAINING):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
 def test_direct_ingress_is_the_default_and_ray_s_own_variable_wins(environ):
-    assert direct_ingress_wanted() and cluster_env() == {HA_PROXY: "1"}
+    # One HAProxy thread: with Ray's 4, clients' hang-ups often did not reach the gateway (ingress.py).
+    assert direct_ingress_wanted() and cluster_env() == {HA_PROXY: "1", HAPROXY_THREADS: "1"}
+    environ.setenv(HAPROXY_THREADS, "2")  # an operator's own choice is kept
+    assert cluster_env()[HAPROXY_THREADS] == "2"
     environ.setenv("SHUNTER_INGRESS", "proxy")
     assert not direct_ingress_wanted() and cluster_env() == {}
     environ.setenv(HA_PROXY, "1")  # set by the operator: Ray reads it, so it is what happens
@@ -43,7 +46,7 @@ def test_an_unknown_ingress_mode_is_refused_by_name(environ):
 
 def test_each_local_cluster_gets_its_own_haproxy_files_and_ports(environ):
     first, second = local_cluster_env(), local_cluster_env()
-    assert first[HA_PROXY] == second[HA_PROXY] == "1"
+    assert first[HA_PROXY] == second[HA_PROXY] == "1" and first[HAPROXY_THREADS] == "1"
     for env in (first, second):
         folder = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
         assert os.path.isdir(folder) and folder != "/tmp/haproxy-serve"
@@ -63,6 +66,7 @@ def test_a_local_cluster_keeps_an_operator_s_drain_period_and_says_no_when_off(e
     assert local_cluster_env(direct=False) == {HA_PROXY: "0"}
     environ.setenv("SHUNTER_INGRESS", "proxy")
     assert local_cluster_env() == {HA_PROXY: "0"}
+    assert local_cluster_env(direct=True)[HA_PROXY] == "1"  # a caller's explicit choice
 
 
 def test_every_kuberay_pod_runs_serve_behind_haproxy(environ):
@@ -73,6 +77,7 @@ def test_every_kuberay_pod_runs_serve_behind_haproxy(environ):
     for pod in pods:
         for container in pod["template"]["spec"]["containers"]:
             assert {"name": HA_PROXY, "value": "1"} in container["env"], container["name"]
+            assert {"name": HAPROXY_THREADS, "value": "1"} in container["env"], container["name"]
     environ.setenv("SHUNTER_INGRESS", "proxy")
     manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
     assert "env" not in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
