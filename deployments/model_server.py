@@ -60,7 +60,7 @@ class ModelServer:
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores, node_cores
         from shunter.deployments.engine_placement import engine_group
-        from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env
+        from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env, lower_engine_priority
         from shunter.placement import EngineLayout
 
         self.model = ModelConfig.model_validate(model)
@@ -98,6 +98,11 @@ class ModelServer:
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None)
             self.engine = await start(spec, env)
+            if accelerator == "cpu":
+                # The engine's threads own their cores; the platform's processes must still get a turn.
+                reniced = lower_engine_priority(engine.cpu_nice)
+                log.info("model %s replica %s: engine processes %s at niceness %d", self.model.name,
+                         self.replica_id, reniced, engine.cpu_nice)
             await self.engine.warmup()
         except BaseException:
             self._release_devices()

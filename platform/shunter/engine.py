@@ -104,6 +104,23 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
 
 
+def lower_engine_priority(nice: int) -> list[int]:
+    """Raise the niceness of this process's children (a CPU engine's core and worker processes) to
+    `nice`; never lowers one (that needs a privilege). Returns the pids changed. The replica process
+    itself keeps its niceness: it relays the engine's tokens."""
+    import psutil
+
+    changed = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.nice() < nice:
+                child.nice(nice)
+                changed.append(child.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return changed
+
+
 @dataclass
 class EngineCounters:
     """Running totals from the engine's own scheduler stats (what vLLM's Prometheus logger counts too)."""

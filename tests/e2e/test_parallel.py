@@ -138,12 +138,18 @@ def _engine_ranks(app: LiveApp, model: str) -> list[str]:
     return ranks
 
 
+def _engine_niceness(app: LiveApp, model: str) -> set[int]:
+    pid = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["pid"]
+    return {proc.nice() for proc in psutil.Process(pid).children(recursive=True)}
+
+
 def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
     live, tiny, reference = cluster
     assert all(reference["tiny"]), "the random model says something (greedy, 24 tokens)"
     app = live.serve([_model("tiny", tiny, 2, tp=2)])
     ranks = _engine_ranks(app, "tiny")
     assert len(ranks) == 2, f"two TP ranks run: {ranks}"
+    assert _engine_niceness(app, "tiny") == {19}, "the engine's processes yield to the platform (engine.cpu_nice)"
     assert _answers(app, "tiny") == reference["tiny"]
     assert _answers(app, "tiny", stream=True) == reference["tiny"], "streamed through the gateway too"
 

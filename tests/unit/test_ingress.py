@@ -81,3 +81,4 @@ def test_every_kuberay_pod_runs_serve_behind_haproxy(environ):
     environ.setenv("SHUNTER_INGRESS", "proxy")
     manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
     assert "env" not in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+

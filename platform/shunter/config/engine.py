@@ -54,6 +54,16 @@ class EngineConfig(StrictModel):
         le=4096,
         description="CPU only: GiB of memory for the KV cache of each replica (VLLM_CPU_KVCACHE_SPACE).",
     )
+    cpu_nice: int = Field(
+        default=19,
+        ge=0,
+        le=19,
+        description="CPU only: the niceness of the engine's processes (engine core and workers). Ray runs "
+        "every worker at 15; 19 lets the gateway, HAProxy and Serve's controller, which share the cores, run "
+        "first when they have work, so an overloaded node still answers and refuses promptly (measured: 429s "
+        "of a 400-stream burst 1.03 s instead of 1.22-1.34 s, same throughput). Only ever raised: a value "
+        "below the replica's own niceness keeps that.",
+    )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="GPU only: fraction of GPU memory the engine may use."
     )
