@@ -60,7 +60,7 @@ class ModelServer:
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores, node_cores
         from shunter.deployments.engine_placement import engine_group
-        from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env, lower_engine_priority
+        from shunter.engine import EngineSpec, VLLMEngine, cpu_engine_env, yield_cpu_to_platform
         from shunter.placement import EngineLayout
 
         self.model = ModelConfig.model_validate(model)
@@ -77,6 +77,11 @@ class ModelServer:
         env: dict[str, str] = {}
         engine = self.model.engine
         layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
+        if accelerator == "cpu":
+            # The engine's threads own their cores; the gateway and HAProxy beside them must still get a
+            # turn. Set before the engine starts: its processes inherit it.
+            log.info("model %s replica %s (pid %d): niceness %d (engine.cpu_nice)", self.model.name,
+                     self.replica_id, os.getpid(), yield_cpu_to_platform(engine.cpu_nice))
         if accelerator == "cpu" and cpu_cores == 0:  # shared: no cores of its own (one rank, checked)
             env = cpu_engine_env(engine.cpu_kv_cache_gib, ",".join(str(c) for c in node_cores()))
             log.info("model %s replica %s (pid %d): engine on the node's shared cores (VLLM_CPU_OMP_THREADS_BIND=%s)",
@@ -98,11 +103,6 @@ class ModelServer:
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None)
             self.engine = await start(spec, env)
-            if accelerator == "cpu":
-                # The engine's threads own their cores; the platform's processes must still get a turn.
-                reniced = lower_engine_priority(engine.cpu_nice)
-                log.info("model %s replica %s: engine processes %s at niceness %d", self.model.name,
-                         self.replica_id, reniced, engine.cpu_nice)
             await self.engine.warmup()
         except BaseException:
             self._release_devices()

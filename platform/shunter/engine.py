@@ -104,21 +104,12 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
 
 
-def lower_engine_priority(nice: int) -> list[int]:
-    """Raise the niceness of this process's children (a CPU engine's core and worker processes) to
-    `nice`; never lowers one (that needs a privilege). Returns the pids changed. The replica process
-    itself keeps its niceness: it relays the engine's tokens."""
-    import psutil
-
-    changed = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.nice() < nice:
-                child.nice(nice)
-                changed.append(child.pid)
-        except psutil.Error:  # gone meanwhile
-            continue
-    return changed
+def yield_cpu_to_platform(nice: int) -> int:
+    """Raise this process's niceness to `nice` (never lower it: that needs a privilege) and return the
+    niceness it runs at. Called by a CPU model replica before its engine starts, so the engine's core and
+    worker processes inherit it."""
+    current = os.nice(0)
+    return os.nice(nice - current) if nice > current else current
 
 
 @dataclass

@@ -140,7 +140,8 @@ def _engine_ranks(app: LiveApp, model: str) -> list[str]:
 
 def _engine_niceness(app: LiveApp, model: str) -> set[int]:
     pid = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["pid"]
-    return {proc.nice() for proc in psutil.Process(pid).children(recursive=True)}
+    replica = psutil.Process(pid)
+    return {replica.nice(), *(proc.nice() for proc in replica.children(recursive=True))}
 
 
 def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
@@ -149,7 +150,7 @@ def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
     app = live.serve([_model("tiny", tiny, 2, tp=2)])
     ranks = _engine_ranks(app, "tiny")
     assert len(ranks) == 2, f"two TP ranks run: {ranks}"
-    assert _engine_niceness(app, "tiny") == {19}, "the engine's processes yield to the platform (engine.cpu_nice)"
+    assert _engine_niceness(app, "tiny") == {19}, "the replica and its engine yield to the platform (engine.cpu_nice)"
     assert _answers(app, "tiny") == reference["tiny"]
     assert _answers(app, "tiny", stream=True) == reference["tiny"], "streamed through the gateway too"
 

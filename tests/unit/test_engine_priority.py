@@ -1,30 +1,37 @@
-"""A CPU engine's processes yield to the platform's: `engine.cpu_nice` (shunter.engine.lower_engine_priority)."""
+"""A CPU model replica and its engine yield to the platform's processes: `engine.cpu_nice`
+(shunter.engine.yield_cpu_to_platform), raised before the engine starts so its processes inherit it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import psutil
-
 from shunter.config import parse_config
-from shunter.engine import lower_engine_priority
+
+PROBE = """
+import subprocess, sys, psutil
+from shunter.engine import yield_cpu_to_platform
+start = int(sys.argv[1])
+if start:
+    psutil.Process().nice(start)
+now = yield_cpu_to_platform(17)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+print(now, psutil.Process().nice(), psutil.Process(child.pid).nice())
+child.kill()
+"""
 
 
-def test_engine_processes_are_reniced_up_never_down():
-    """A CPU engine's core and worker processes are the replica's children: they yield to the platform's
-    processes (engine.cpu_nice, default 19); a process already nicer is left alone."""
+def _probe(start: int) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(start)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_the_replica_and_what_it_starts_run_at_the_configured_niceness():
     assert parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct"}]}) \
         .models[0].engine.cpu_nice == 19
-    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
-    try:
-        psutil.Process(sleepers[1].pid).nice(19)
-        own = psutil.Process().nice()
-        changed = lower_engine_priority(max(own, 17))
-        assert psutil.Process(sleepers[0].pid).nice() == max(own, 17)
-        assert psutil.Process(sleepers[1].pid).nice() == 19, "never lowered"
-        assert sleepers[1].pid not in changed and psutil.Process().nice() == own, "the replica keeps its own"
-    finally:
-        for proc in sleepers:
-            proc.kill()
-            proc.wait()
+    assert _probe(0) == [17, 17, 17]
+
+
+def test_niceness_is_never_lowered():
+    assert _probe(19) == [19, 19, 19]
