@@ -80,8 +80,9 @@ class ModelServer:
         if accelerator == "cpu":
             # The engine's threads own their cores; the gateway and HAProxy beside them must still get a
             # turn. Set before the engine starts: its processes inherit it.
+            yield_cpu_to_platform(engine.cpu_nice)
             log.info("model %s replica %s (pid %d): niceness %d (engine.cpu_nice)", self.model.name,
-                     self.replica_id, os.getpid(), yield_cpu_to_platform(engine.cpu_nice))
+                     self.replica_id, os.getpid(), engine.cpu_nice)
         if accelerator == "cpu" and cpu_cores == 0:  # shared: no cores of its own (one rank, checked)
             env = cpu_engine_env(engine.cpu_kv_cache_gib, ",".join(str(c) for c in node_cores()))
             log.info("model %s replica %s (pid %d): engine on the node's shared cores (VLLM_CPU_OMP_THREADS_BIND=%s)",
@@ -103,6 +104,8 @@ class ModelServer:
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None)
             self.engine = await start(spec, env)
+            if accelerator == "cpu":
+                yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made
             await self.engine.warmup()
         except BaseException:
             self._release_devices()

@@ -105,11 +105,27 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
 
 
 def yield_cpu_to_platform(nice: int) -> int:
-    """Raise this process's niceness to `nice` (never lower it: that needs a privilege) and return the
-    niceness it runs at. Called by a CPU model replica before its engine starts, so the engine's core and
-    worker processes inherit it."""
-    current = os.nice(0)
-    return os.nice(nice - current) if nice > current else current
+    """Raise the niceness of every thread of this process and of its children to `nice` (never lower
+    one: that needs a privilege); returns how many threads changed. On Linux niceness belongs to each
+    thread (`os.nice` sets the caller's only) and a new thread or process inherits its creator's. A CPU
+    model replica calls it before its engine starts, so the engine inherits it, and again after, for
+    what was created meanwhile by threads or helpers (a multiprocessing fork server) it missed."""
+    import psutil
+
+    changed = 0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            threads = proc.threads()
+        except psutil.Error:  # gone meanwhile
+            continue
+        for thread in threads:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
+                    os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+                    changed += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+    return changed
 
 
 @dataclass

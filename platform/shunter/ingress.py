@@ -2,7 +2,7 @@
 
 Without it every HTTP request and every streamed chunk crosses Ray's proxy actor: one actor call per
 request for its body, one Ray message per chunk from the gateway to the proxy. With it each gateway
-replica runs its own HTTP server (uvicorn, on a port from 30000-31000 on every interface) and the
+replica runs its own HTTP server (uvicorn, on `http_options.host` at a port from 30000-31000) and the
 HAProxy that Serve starts on each proxy node forwards the client's connection to it; routing among
 gateway replicas, health checks and draining stay Serve's. Measured on this project's 2-core machine
 (docs/design.md, "The data path's cost per token"): 0.84 of vLLM's own server at 32 streams against
@@ -30,6 +30,7 @@ HAPROXY_THREADS = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 
 def direct_ingress_wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether clusters get direct ingress: Ray's own variable when set, else `SHUNTER_INGRESS` (direct)."""
     environ = os.environ if environ is None else environ  # type: ignore[assignment]
     if HA_PROXY in environ:
         return environ[HA_PROXY] == "1"

@@ -141,7 +141,9 @@ def _engine_ranks(app: LiveApp, model: str) -> list[str]:
 def _engine_niceness(app: LiveApp, model: str) -> set[int]:
     pid = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["pid"]
     replica = psutil.Process(pid)
-    return {replica.nice(), *(proc.nice() for proc in replica.children(recursive=True))}
+    # Niceness is per thread on Linux: every thread of the replica and of its engine's processes.
+    return {os.getpriority(os.PRIO_PROCESS, thread.id)
+            for proc in [replica, *replica.children(recursive=True)] for thread in proc.threads()}
 
 
 def test_tensor_parallel_2_answers_as_one_rank_does(cluster):
