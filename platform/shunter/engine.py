@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import cache
@@ -105,26 +106,28 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
 
 
 def yield_cpu_to_platform(nice: int) -> int:
-    """Raise the niceness of every thread of this process and of its children to `nice` (never lower
-    one: that needs a privilege); returns how many threads changed. On Linux niceness belongs to each
-    thread (`os.nice` sets the caller's only) and a new thread or process inherits its creator's. A CPU
-    model replica calls it before its engine starts, so the engine inherits it, and again after, for
-    what was created meanwhile by threads or helpers (a multiprocessing fork server) it missed."""
+    """Raise the niceness of the calling thread and of every thread of this process's children to
+    `nice` (never lower one: that needs a privilege); returns how many threads changed. On Linux
+    niceness belongs to each thread and a new thread or process inherits its creator's. A CPU model
+    replica calls it from the thread that starts its engine, before (the engine inherits it) and after
+    (for processes a helper started earlier made, e.g. a multiprocessing fork server). The replica's
+    other threads, Ray's (which take requests and health checks), keep Ray's niceness."""
     import psutil
 
-    changed = 0
-    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    targets = [threading.get_native_id()]
+    for child in psutil.Process().children(recursive=True):
         try:
-            threads = proc.threads()
+            targets += [thread.id for thread in child.threads()]
         except psutil.Error:  # gone meanwhile
             continue
-        for thread in threads:
-            try:
-                if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
-                    os.setpriority(os.PRIO_PROCESS, thread.id, nice)
-                    changed += 1
-            except OSError:  # the thread ended meanwhile
-                continue
+    changed = 0
+    for tid in targets:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed += 1
+        except OSError:  # ended meanwhile
+            continue
     return changed
 
 
