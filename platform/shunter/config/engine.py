@@ -58,11 +58,11 @@ class EngineConfig(StrictModel):
         default=19,
         ge=0,
         le=19,
-        description="CPU only: the niceness of the model replica's processes (the replica and its engine's "
-        "core and workers). Ray runs every worker at 15; at 19 the gateway, HAProxy and Serve's controller, "
-        "which share the cores with the engines, run first when they have work, so an overloaded node still "
-        "refuses promptly (a 400-stream burst on two one-core replicas: 429s within 0.75-0.84 s p99 instead "
-        "of 1.13-1.37 s, the same throughput). Only ever raised: below the replica's own niceness, it keeps that.",
+        description="CPU only: the niceness of the engine's processes (and of the replica thread that starts "
+        "it). Ray runs every worker at 15; at 19 the gateway, HAProxy and Serve's controller, which share the "
+        "cores with the engines, run first when they have work (a 400-stream burst on two one-core replicas: "
+        "429s within 0.69-1.15 s p99 across runs, against 1.13-1.64 s without; the same throughput). Only "
+        "ever raised: below the replica's own niceness, it keeps that.",
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="GPU only: fraction of GPU memory the engine may use."
