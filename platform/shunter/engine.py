@@ -105,9 +105,9 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
 
 
-def yield_cpu_to_platform(nice: int) -> int:
+def yield_cpu_to_platform(nice: int) -> None:
     """Raise the niceness of the calling thread and of every thread of this process's children to
-    `nice` (never lower one: that needs a privilege); returns how many threads changed. On Linux
+    `nice` (never lower one: that needs a privilege). On Linux
     niceness belongs to each thread and a new thread or process inherits its creator's. A CPU model
     replica calls it from the thread that starts its engine, before (the engine inherits it) and after
     (for processes a helper started earlier made, e.g. a multiprocessing fork server). The replica's
@@ -120,15 +120,12 @@ def yield_cpu_to_platform(nice: int) -> int:
             targets += [thread.id for thread in child.threads()]
         except psutil.Error:  # gone meanwhile
             continue
-    changed = 0
     for tid in targets:
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
-                changed += 1
         except OSError:  # ended meanwhile
             continue
-    return changed
 
 
 @dataclass

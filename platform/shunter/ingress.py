@@ -29,12 +29,11 @@ HA_PROXY = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_THREADS = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 
-def direct_ingress_wanted(environ: dict[str, str] | None = None) -> bool:
+def direct_ingress_wanted() -> bool:
     """Whether clusters get direct ingress: Ray's own variable when set, else `SHUNTER_INGRESS` (direct)."""
-    environ = os.environ if environ is None else environ  # type: ignore[assignment]
-    if HA_PROXY in environ:
-        return environ[HA_PROXY] == "1"
-    mode = environ.get("SHUNTER_INGRESS", "direct")
+    if HA_PROXY in os.environ:
+        return os.environ[HA_PROXY] == "1"
+    mode = os.environ.get("SHUNTER_INGRESS", "direct")
     if mode not in ("direct", "proxy"):
         raise SystemExit(f"SHUNTER_INGRESS={mode!r}: expected 'direct' (HAProxy to the gateways) or 'proxy' "
                          "(Ray's proxy actor)")
