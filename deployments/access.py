@@ -16,7 +16,7 @@ from typing import Any
 
 from shunter.auth import ANONYMOUS, Caller, KeyRing, bearer_token
 from shunter.config import LimitsConfig, ShunterConfig
-from shunter.deployments.parsed_request import ParsedRequest
+from shunter.deployments.parsed_request import CONVERSATION_FIELD, MAX_TOKENS_FIELD, ParsedRequest
 from shunter.errors import ApiError
 from shunter.metric_catalog import build
 from shunter.ops.quotas import KeyQuota, estimate_prompt_tokens
@@ -133,11 +133,15 @@ class AccessControl:
         return caller is not None and caller.admin
 
     def _identify(self, headers: Mapping[str, str]) -> Caller:
+        """The caller of an `Authorization: Bearer <key>` header, or of `x-api-key: <key>` (how Anthropic's
+        clients send a key) when there is no Authorization header."""
         authorization = headers.get("authorization")
+        if not authorization and headers.get("x-api-key"):
+            authorization = f"Bearer {headers['x-api-key']}"
         if not authorization:
             _auth_failure("missing_key")
-            raise ApiError(401, "no API key: send it as the header `Authorization: Bearer <key>`",
-                           code="missing_api_key", headers=_CHALLENGE)
+            raise ApiError(401, "no API key: send it as the header `Authorization: Bearer <key>` (or `x-api-key: "
+                           "<key>`)", code="missing_api_key", headers=_CHALLENGE)
         token = bearer_token(authorization)
         if token is None:
             _auth_failure("malformed_header")
@@ -161,15 +165,18 @@ class AccessControl:
         """The request's own size limits (400), on its parsed values (a string or a float the engine
         would coerce is held to the limit as the number it becomes)."""
         limits = self.limits
-        if request.endpoint == "chat" and len(request.messages) > limits.max_messages:
-            raise ApiError(400, f"{len(request.messages)} messages; this platform takes at most "
-                           f"{limits.max_messages} per request", param="messages", code="too_many_messages")
+        if request.endpoint in ("chat", "responses", "messages") and len(request.messages) > limits.max_messages:
+            field = CONVERSATION_FIELD[request.endpoint]
+            raise ApiError(400, f"{len(request.messages)} {'input items' if field == 'input' else 'messages'}; this "
+                           f"platform takes at most {limits.max_messages} per request", param=field,
+                           code="too_many_messages")
         if request.n > limits.max_n:
             raise ApiError(400, f"n={request.n}; this platform takes at most {limits.max_n}", param="n",
                            code="n_too_large")
         if request.endpoint != "embedding" and request.max_tokens is not None \
                 and request.max_tokens > limits.max_tokens:
-            name = "max_completion_tokens" if "max_completion_tokens" in request.body else "max_tokens"
+            name = "max_completion_tokens" if "max_completion_tokens" in request.body \
+                else MAX_TOKENS_FIELD[request.endpoint]
             raise ApiError(400, f"{name}={request.max_tokens}; this platform generates at most "
                            f"{limits.max_tokens} tokens per request", param=name, code="max_tokens_too_large")
 

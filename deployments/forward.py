@@ -29,6 +29,7 @@ from shunter.auth import Caller
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
 from shunter.deployments.access import AccessControl
 from shunter.deployments.api_app import error_response
+from shunter.deployments.parsed_request import ParsedRequest
 from shunter.deployments.relay import relay
 from shunter.deployments.replica_call import ReplicaCalls, VersionFailed, not_taken
 from shunter.deployments.request_body import BodyReader, model_field, parse
@@ -47,7 +48,8 @@ from shunter.routing.versions import choose_version
 log = logging.getLogger("ray.serve")
 
 # Which model task serves which endpoint.
-_ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed"}
+_ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed", "responses": "generate",
+                  "messages": "generate"}
 REPLICA_HEADER = "x-shunter-replica"  # which replica served the request: for operators and tests
 VERSION_HEADER = "x-shunter-version"  # which version of the model served it
 SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
@@ -75,8 +77,9 @@ class Forwarder:
         if self.tiering is not None and name == self.tiering.name:
             tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
             name = tier.tier.model
-        model = self._resolve_model(name, endpoint, caller)
-        self.access.check_model(caller, model.name)
+        model = self._resolve_model(name, caller)
+        self.access.check_model(caller, model.name)  # before saying anything more about the model
+        check_serving(model, endpoint, parsed)
         self.access.check_limits(parsed)
         body = {**body, "model": model.name}  # the engine knows the canonical name only
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), parsed.usage_chunk,
@@ -126,8 +129,8 @@ class Forwarder:
         tel.span.set_attributes({"shunter.tier": tier.tier.name, "shunter.tier.class": tier.request_class,
                                  "shunter.tier.complexity": tier.complexity, "shunter.tier.reason": tier.reason})
         tel.on_finish.append(lambda status, prompt, completion: tiering.finished(tier, status, prompt, completion))
-        if not tiering.sampled(tier):
-            return
+        if endpoint not in ("chat", "completion") or not tiering.sampled(tier):
+            return  # the monitor compares chat and completion answers
         asked = dict(body)
 
         def compare(status: int | str, prompt: int, completion: int) -> None:
@@ -203,7 +206,7 @@ class Forwarder:
         if not await queue.enter(wait):
             return not_taken(model, wait, cold)
         end.dispatched(queue)
-        return await self._admitted(model, endpoint, ask_for_usage(body), versions, end, limits)
+        return await self._admitted(model, endpoint, ask_for_usage(body, endpoint), versions, end, limits)
 
     def _prompt_for_logs(self, body: dict[str, Any]) -> str | None:
         """The prompt, for logs and spans, only where the config allows it (off by default)."""
@@ -273,19 +276,34 @@ class Forwarder:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         raise AssertionError("no version to send to")  # forward never passes an empty list
 
-    def _resolve_model(self, name: str, endpoint: str, caller: Caller) -> ModelConfig:
+    def _resolve_model(self, name: str, caller: Caller) -> ModelConfig:
         model = self.config.find_model(name)
         if model is None:
             visible = [m.name for m in self.config.models if caller.may_use(m.name)]
             raise ApiError(404, f"model {name!r} does not exist; models this key may use: "
                            f"{', '.join(visible) or 'none'} (GET /v1/models)", param="model",
                            code="model_not_found")
-        if _ENDPOINT_TASK[endpoint] != model.task:
-            what = "an embedding model; use /v1/embeddings" if model.task == "embed" else \
-                "a generative model; use /v1/chat/completions or /v1/completions"
-            raise ApiError(400, f"model {model.name!r} is {what}", param="model",
-                           code="model_not_supported")
         return model
+
+
+def check_serving(model: ModelConfig, endpoint: str, parsed: ParsedRequest) -> None:
+    """A request the model cannot serve gets a 400: the wrong endpoint for its task, or tools where its
+    serving options leave them off (naming the option)."""
+    if _ENDPOINT_TASK[endpoint] != model.task:
+        what = "an embedding model; use /v1/embeddings" if model.task == "embed" else \
+            "a generative model; use /v1/chat/completions, /v1/completions, /v1/responses or /v1/messages"
+        raise ApiError(400, f"model {model.name!r} is {what}", param="model", code="model_not_supported")
+    choice, serving = parsed.tool_choice, model.serving
+    if choice is None or choice == "none":
+        return
+    if serving.tool_call_parser is None:
+        raise ApiError(400, f"model {model.name!r} is not set up for tool calling (tool_choice {choice!r}): its "
+                       "config sets no `serving.tool_call_parser`; send tool_choice 'none' or leave the tools out",
+                       param="tools", code="tools_not_supported")
+    if choice == "auto" and not serving.auto_tool_choice:
+        raise ApiError(400, f"model {model.name!r} does not choose tools itself (tool_choice 'auto', the default "
+                       "with tools): its config sets `serving.enable_auto_tool_choice: false`; send tool_choice "
+                       "'required' or name a function", param="tool_choice", code="tool_choice_not_supported")
 
 
 def _request_id() -> str:

@@ -31,6 +31,7 @@ import ray
 from ray import serve
 
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
+from shunter.deployments.parsed_request import CONVERSATION_FIELD
 from shunter.deployments.replica_telemetry import EngineMetrics, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.errors import error_body
@@ -102,7 +103,7 @@ class ModelServer:
                 self._group = await engine_group(layout, f"{self.model.name}/{version}/{self.replica_id}")
             path = resolve_source(self.model.source, cache_dir, progress=False)
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
-                              self._group.placement_group if self._group else None)
+                              self._group.placement_group if self._group else None, self.model.serving)
             self.engine = await start(spec, env)
             if accelerator == "cpu":
                 yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made
@@ -180,6 +181,8 @@ class ModelServer:
                 request.endpoint == "completion" and "max_tokens" in body)):
             # vLLM refuses max_tokens past the context length and trims it to what the prompt leaves.
             body = {**body, "max_tokens": min(limits.max_tokens, self.engine.max_model_len())}
+        if limits.max_tokens is not None and request.endpoint == "responses" and body.get("max_output_tokens") is None:
+            body = {**body, "max_output_tokens": min(limits.max_tokens, self.engine.max_model_len())}
         # A stream's prompts are rendered before it starts, so that what vLLM would find wrong only once it
         # streams (an empty prompt in a completion: an error event inside a 200) is a 400 instead.
         streamed_completion = request.endpoint == "completion" and body.get("stream") is True
@@ -193,7 +196,7 @@ class ModelServer:
                 f" (prompt {lengths.index(0)} of the batch)" if len(lengths) > 1 else ""), 400, param="prompt")
         tokens = max(lengths)
         if limits.max_prompt_tokens is not None and tokens > limits.max_prompt_tokens:
-            param = {"chat": "messages", "completion": "prompt", "embedding": "input"}[request.endpoint]
+            param = CONVERSATION_FIELD[request.endpoint]
             return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "
                                     f"{limits.max_prompt_tokens} prompt tokens per request", 400,
                                     param=param, code="prompt_too_long")

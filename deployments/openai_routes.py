@@ -1,13 +1,16 @@
 """The OpenAI API and the probes: routes that check the caller and delegate.
 
-`/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` go through the forward pipeline
-(shunter.deployments.forward); `/v1/models` lists what the caller's key may use; `/health` says the
+`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses` (OpenAI's Responses API)
+and `/v1/messages` (Anthropic's Messages API) go through the one forward pipeline
+(shunter.deployments.forward); `/v1/models` lists what the caller's key may use and what each model
+supports; `/health` says the
 process lives and `/ready` that every model has a replica that answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,8 +23,12 @@ from shunter.deployments.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    MessagesRequest,
+    ResponsesRequest,
     request_body,
 )
+from shunter.deployments.wire_formats import anthropic_error
+from shunter.errors import ApiError
 
 router = APIRouter()
 
@@ -111,6 +118,27 @@ async def embeddings(request: Request, gw: Parts) -> Response:
     return await gw.forwarder.forward(request, "embedding")
 
 
+@router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+async def responses(request: Request, gw: Parts) -> Response:
+    """OpenAI's Responses API, stateless, through the same door as chat."""
+    return await gw.forwarder.forward(request, "responses")
+
+
+@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
+async def messages(request: Request, gw: Parts) -> Response:
+    """Anthropic's Messages API, through the same door as chat; every error in Anthropic's shape."""
+    try:
+        response = await gw.forwarder.forward(request, "messages")
+    except ApiError as refused:
+        return JSONResponse(anthropic_error(refused.body(), refused.status), status_code=refused.status,
+                            headers=refused.headers)
+    if response.status_code >= 400 and isinstance(response, JSONResponse):
+        body = anthropic_error(json.loads(bytes(response.body)), response.status_code)
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse(body, status_code=response.status_code, headers=headers)
+    return response
+
+
 def _tier_card(gw: GatewayParts) -> dict[str, Any]:
     assert gw.tiering is not None
     return {"id": gw.tiering.name, "object": "model", "created": gw.created, "owned_by": "shunter",
@@ -119,7 +147,26 @@ def _tier_card(gw: GatewayParts) -> dict[str, Any]:
 
 def _model_card(gw: GatewayParts, model: ModelConfig) -> dict[str, Any]:
     card = {"id": model.name, "object": "model", "created": gw.created, "owned_by": "shunter",
-            "aliases": model.aliases, "task": model.task}
+            "aliases": model.aliases, "task": model.task, "capabilities": capabilities(model)}
     if model.versioned:
         card["versions"] = [{"name": v, "weight": w} for v, w in gw.traffic.view(model).weights]
     return card
+
+
+def capabilities(model: ModelConfig) -> dict[str, Any]:
+    """What a model serves, and where it does not, the config field that would enable it."""
+    if model.task == "embed":
+        return {"endpoints": ["/v1/embeddings"]}
+    serving = model.serving
+    choices = ["none"]
+    if serving.tool_call_parser is not None:
+        choices += (["auto"] if serving.auto_tool_choice else []) + ["required", "function"]
+    return {
+        "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
+        "tools": {"tool_call_parser": serving.tool_call_parser, "tool_choice": choices}
+        if serving.tool_call_parser else {"enabled_by": "serving.tool_call_parser"},
+        "reasoning": {"reasoning_parser": serving.reasoning_parser}
+        if serving.reasoning_parser else {"enabled_by": "serving.reasoning_parser"},
+        "chat_template": "serving.chat_template" if serving.chat_template else "the model's own",
+        "stateful_responses": False,
+    }

@@ -73,7 +73,57 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
 
-REQUESTS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest)
+class ResponseInputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API, stateless: `previous_response_id` and `background` are refused."""
+
+    model: str = Field(description="A served generative model's name or alias.")
+    input: str | list[ResponseInputMessage | dict[str, Any]] = Field(
+        description="The conversation: a string, or input items (messages, function calls and their outputs).")
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Function tools (type: function).")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    store: bool | None = Field(default=None, description="Accepted; nothing is stored.")
+    user: str | None = None
+
+
+class AnthropicTextBlock(_Body):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicTextBlock | dict[str, Any]]
+
+
+class MessagesRequest(_Body):
+    """Anthropic's Messages API (`POST /v1/messages`); keys go as `x-api-key` or a bearer token."""
+
+    model: str = Field(description="A served generative model's name or alias.")
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1, description="Most tokens to generate (required, as in Anthropic's API).")
+    system: str | list[AnthropicTextBlock] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Tools: name, description, input_schema.")
+    tool_choice: dict[str, Any] | None = None
+
+
+REQUESTS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                         ResponsesRequest, MessagesRequest)
 BEARER = "bearer"
 
 

@@ -2,14 +2,14 @@
 
 Once the first byte has gone to the client there is no failing over: a replica that breaks or goes
 silent mid-stream, a stream still running when its leaving replica's drain timeout is up, and a stream
-past the request's deadline or idle limit all end with an explicit OpenAI-shaped error event. A client
+past the request's deadline or idle limit all end with an explicit error event in the API's own shape
+(shunter.deployments.wire_formats). A client
 that goes away cancels the replica's work. However it ends, the request's `RequestEnd` settles it once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +24,7 @@ from shunter.deployments.replica_call import (
     next_item,
 )
 from shunter.deployments.request_end import RequestEnd, cancel
-from shunter.errors import error_body
+from shunter.deployments.wire_formats import stream_error_event
 from shunter.replica_protocol import Moved
 from shunter.routing.state import DeploymentRouting
 
@@ -74,7 +74,8 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
         log.warning("model %s: stream from leaving replica %s still ran at the drain timeout (%gs); aborted",
                     model.name, replica, drain)
         cancel(stream)
-        yield _event(f"the replica serving this stream of model {model.name!r} was stopped (scale-down, update "
+        yield stream_error_event(
+            tel.endpoint, f"the replica serving this stream of model {model.name!r} was stopped (scale-down, update "
                      f"or shutdown) and the stream ran past the drain timeout of {drain:g}s", 503,
                      "replica_drain_timeout")
         finished = True
@@ -86,7 +87,7 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
         else:
             code, why = "stream_idle_timeout", f"sent nothing for {limits.stream_idle_timeout_s:g}s"
         log.warning("model %s: stream from replica %s %s; ended", model.name, replica, why)
-        yield _event(f"the stream from model {model.name!r} {why}", 504, code)
+        yield stream_error_event(tel.endpoint, f"the stream from model {model.name!r} {why}", 504, code)
         finished = True
     except Exception as exc:  # noqa: BLE001 - the stream already started: end it with a clear error event
         why = f"sent nothing for {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
@@ -94,7 +95,7 @@ async def relay(started: Started, model: ModelConfig, routing: DeploymentRouting
         routing.record_outcome(replica, True, f"stream broke: {why}")
         cancel(stream)
         ok = False
-        yield _event(f"the stream from model {model.name!r} broke: {why}", 503, "stream_interrupted")
+        yield stream_error_event(tel.endpoint, f"the stream from model {model.name!r} broke: {why}", 503, "stream_interrupted")
         finished = True
     finally:
         if ray_end is not None and not ray_end.done() and not finished:
@@ -143,6 +144,3 @@ def engine_failure(error: dict[str, Any] | None) -> str | None:
         return None
     return str(error.get("message") or code or "engine error")[:300]
 
-
-def _event(message: str, status: int, code: str) -> str:
-    return f"data: {json.dumps(error_body(message, status, code=code))}\n\n"

@@ -30,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shunter import tracing
+from shunter.deployments.wire_formats import EVENT_APIS, read_event, whole_usage
 from shunter.metric_catalog import build
 from shunter.ray_metrics import LazyMetrics
 
@@ -40,7 +41,8 @@ _NAMES = ("shunter_requests_total", "shunter_time_to_first_token_seconds", "shun
           "shunter_e2e_request_latency_seconds", "shunter_prompt_tokens_total", "shunter_completion_tokens_total",
           "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable")
 _record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
-_OPERATION = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings"}
+_OPERATION = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings", "responses": "chat",
+              "messages": "chat"}
 
 # This process's gauges, as counts: Ray gauges are set, not incremented.
 _in_flight: Counter[tuple[str, str]] = Counter()
@@ -51,10 +53,11 @@ def replicas_routable(model: str, version: str, count: int) -> None:
     _record(lambda m: m["shunter_replicas_routable"].set(count, tags={"model": model, "version": version}))
 
 
-def ask_for_usage(body: dict[str, Any]) -> dict[str, Any]:
+def ask_for_usage(body: dict[str, Any], endpoint: str = "chat") -> dict[str, Any]:
     """The body to send to the engine (`stream` already parsed to a bool): a stream carries its running
-    usage on every chunk and ends with a usage chunk, so every token is counted, however it ends."""
-    if body.get("stream") is not True:
+    usage on every chunk and ends with a usage chunk, so every token is counted, however it ends. (The
+    Responses and Messages APIs have no such option: their streams end with the usage.)"""
+    if body.get("stream") is not True or endpoint in EVENT_APIS:
         return body
     options = body.get("stream_options")
     options = dict(options) if isinstance(options, dict) else {}
@@ -101,6 +104,7 @@ class RequestTelemetry:
         # An error event inside a 200 stream (vLLM reports an engine failure mid-stream in-band, then
         # [DONE]): its `error` object, for the relay to count as the replica's failure.
         self.in_band_error: dict[str, Any] | None = None
+        self._final_usage = False  # a typed-event stream's usage event has arrived
 
     @property
     def trace_id(self) -> str | None:
@@ -158,7 +162,10 @@ class RequestTelemetry:
 
         vLLM's chunks are compact JSON with `usage` as their last key; those are read without decoding
         the event (the usage object alone is parsed and cut off the text, so the client gets vLLM's own
-        bytes). Any other event (an error, another engine's layout) is decoded whole."""
+        bytes). Any other event (an error, another engine's layout) is decoded whole. The Responses and
+        Messages APIs' typed events pass unchanged (`_typed_event`)."""
+        if self.endpoint in EVENT_APIS:
+            return self._typed_event(text)
         if not text.startswith("data: {"):
             return text
         now = time.monotonic()
@@ -198,6 +205,24 @@ class RequestTelemetry:
             self._token_chunk(now)
         return text
 
+    def _typed_event(self, text: str) -> str:
+        """A Responses or Messages event: its deltas time the tokens and, until the final usage arrives, are
+        counted one token each (what a stream cut short is settled at); usage events carry the engine's
+        counts."""
+        event = read_event(self.endpoint, text)
+        if event.token:
+            self._token_chunk(time.monotonic())
+            if not self._final_usage:
+                self.completion_tokens += 1
+        if event.prompt_tokens is not None:
+            self.prompt_tokens = event.prompt_tokens
+        if event.completion_tokens is not None:
+            self.completion_tokens = event.completion_tokens
+            self._final_usage = True
+        if event.error is not None:
+            self.in_band_error = event.error
+        return text
+
     def _token_chunk(self, now: float) -> None:
         self.streamed = True
         if self.first_token_at is None:
@@ -210,8 +235,9 @@ class RequestTelemetry:
     def whole_reply(self, body: Any) -> None:
         """A non-streamed reply: its arrival is the first (and last) token."""
         self.first_token_at = time.monotonic()
-        if isinstance(body, dict) and isinstance(body.get("usage"), dict):
-            self._usage(body["usage"])
+        usage = whole_usage(body)
+        if usage is not None:
+            self.prompt_tokens, self.completion_tokens = usage
 
     def finish(self, status: int | str) -> None:
         """The request is over, with the status the client saw. Called once; later calls do nothing."""

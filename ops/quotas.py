@@ -155,7 +155,7 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     for key in ("tools", "documents", "functions"):
         if body.get(key):
             total += math.ceil(len(json.dumps(body[key], ensure_ascii=False)) / CHARS_PER_TOKEN)
-    for key in ("prompt", "input"):
+    for key in ("prompt", "input", "system", "instructions"):  # Messages' system, Responses' instructions
         total += _text_tokens(body.get(key))
     return total
 

@@ -57,6 +57,16 @@ def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
             else:
                 parts.append(_canonical(message))
         return "\n".join(parts)
+    if endpoint == "responses":  # instructions and tools first, then the input items, as the template renders
+        parts = [f"<{key}>{_canonical(body[key])}" for key in ("tools", "instructions") if body.get(key) is not None]
+        items = body.get("input")
+        for item in [{"role": "user", "content": items}] if isinstance(items, str) else items or []:
+            parts.append(_message_text(item))
+        return "\n".join(parts)
+    if endpoint == "messages":
+        parts = [f"<{key}>{_canonical(body[key])}" for key in ("tools", "system") if body.get(key) is not None]
+        parts += [_message_text(message) for message in body.get("messages") or []]
+        return "\n".join(parts)
     if endpoint == "completion":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -65,6 +75,13 @@ def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
             return ""
         return prompt if isinstance(prompt, str) else _canonical(prompt)
     return ""
+
+
+def _message_text(message: Any) -> str:
+    """One message or input item: its role and content text, or its canonical JSON (a tool call, ...)."""
+    if isinstance(message, dict) and "role" in message and "content" in message:
+        return f"<{message.get('role')}>{_content_text(message.get('content'))}"
+    return _canonical(message)
 
 
 def prefix_key(text: str, block_size: int) -> PrefixKey:

@@ -76,7 +76,8 @@ class Features:
 
 
 def features(body: dict[str, Any]) -> Features:
-    """The classifier's inputs from a chat or completion body (any shape: what is not text is skipped)."""
+    """The classifier's inputs from a chat, completion, Responses or Messages body (any shape: what is not
+    text is skipped)."""
     texts: list[str] = []
     turns = 0
     messages = body.get("messages")
@@ -87,13 +88,19 @@ def features(body: dict[str, Any]) -> Features:
             if message.get("role") == "user":
                 turns += 1
             texts.extend(_texts(message.get("content")))
-    prompt = body.get("prompt")
-    if prompt is not None:
+    for key in ("system", "instructions"):  # Messages' system prompt, Responses' instructions
+        texts.extend(_texts(body.get(key)))
+    prompt = body.get("prompt", body.get("input"))  # a completion's prompt, a Responses input
+    if isinstance(prompt, list) and any(isinstance(item, dict) and item.get("role") == "user" for item in prompt):
+        turns = sum(1 for item in prompt if isinstance(item, dict) and item.get("role") == "user")
+        for item in prompt:
+            texts.extend(_texts(item.get("content")) if isinstance(item, dict) else [])
+    elif prompt is not None:
         turns = max(turns, 1)
         texts.extend(_texts(prompt))
     chars = sum(len(t) for t in texts)
     scan = "\n".join(texts)[:SCAN_CHARS]
-    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    asked = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else None
     return Features(prompt_tokens=math.ceil(chars / 4), turns=turns, code=bool(_CODE.search(scan)),
                     reasoning=bool(_REASONING.search(scan)), math=bool(_MATH.search(scan)), max_tokens=max_tokens)

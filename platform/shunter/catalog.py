@@ -27,12 +27,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shunter.chat_templates import CHATML_TOOLS
+
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"  # a config's `source: builtin:<key>` names a model of BUILTIN_MODELS
 
 # Bump when the preparation recipe changes, so old cache entries are not reused.
-_RECIPE_VERSION = "1"
+# 2: the prepared dir carries a chat template that renders tools (shunter.chat_templates).
+_RECIPE_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class BuiltinModel:
     kind: str  # "gguf" (converted) or "dir" (used in place)
     description: str
     max_model_len: int  # the longest context the model's own config allows (vLLM refuses more)
+    # The chat template written into the prepared dir in place of the model's own (None: keep its own).
+    chat_template: str | None = None
+    # The default `serving.tool_call_parser` of a model with this source: the parser that reads the tool
+    # calls its chat template asks for. None: the model has no tool format.
+    tool_call_parser: str | None = None
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -59,6 +67,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         kind="gguf",
         description="HuggingFaceTB/SmolLM2-135M-Instruct (chat), dequantized from Q4_1 GGUF",
         max_model_len=8192,
+        # Its own template is plain ChatML and renders no tools; the shipped one adds ChatML's tool
+        # convention (Hermes 2 Pro's <tools>/<tool_call>/<tool_response> blocks, as Qwen2.5 uses), which
+        # vLLM's `hermes` parser reads. A 135M model calls tools poorly on its own (tool_choice auto);
+        # required and named tool choices are constrained by vLLM's structured outputs and always parse.
+        chat_template=CHATML_TOOLS,
+        tool_call_parser="hermes",
     ),
     "all-minilm-l6-v2": BuiltinModel(
         key="all-minilm-l6-v2",
@@ -146,6 +160,8 @@ def _prepare_gguf(model: BuiltinModel, gguf_path: Path, cache_dir: Path, progres
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.key}-", dir=cache_dir))
         try:
             _convert_gguf(gguf_path, tmp, progress)
+            if model.chat_template is not None:  # transformers and vLLM prefer this file to the config's
+                (tmp / "chat_template.jinja").write_text(model.chat_template, encoding="utf-8")
             (tmp / ".shunter-complete").write_text(f"{model.description}\n")
             tmp.chmod(0o755)  # mkdtemp makes it private; replicas of other users may read it
             if out_dir.exists():

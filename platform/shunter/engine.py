@@ -21,13 +21,13 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from shunter.config import EngineConfig
+from shunter.config import EngineConfig, ServingConfig
 from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class EngineSpec:
     # GPU, several devices: the Ray placement group the engine's workers run in (one bundle per device,
     # in rank order; deployments/engine_placement.py). None: the engine needs no group.
     placement_group: Any = None
+    serving: ServingConfig = field(default_factory=ServingConfig)  # the frontend options of vLLM's OpenAI handlers
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
@@ -92,6 +93,12 @@ class EngineReply:
     status: int
     body: dict[str, Any] | None = None
     stream: AsyncIterator[str] | None = None
+
+
+async def _typed_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """A Responses stream's event objects as SSE, each named by its type (as vLLM's own server sends them)."""
+    async for event in events:
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(by_alias=True)}\n\n"
 
 
 @cache
@@ -191,7 +198,14 @@ class VLLMEngine:
         namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", spec.model_path])
         for key, value in spec.engine_args().items():
             setattr(namespace, key, value)
+        if spec.task == "generate":
+            for key, value in spec.serving.vllm_arguments().items():
+                setattr(namespace, key, value)
         namespace.disable_uvicorn_access_log = True
+        # vLLM's own checks of its server's arguments (the chat template, auto tool choice's parser).
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+        validate_parsed_serve_args(namespace)
 
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -246,7 +260,29 @@ class VLLMEngine:
 
         return await self._call(EmbeddingRequest, body, handler)
 
-    async def _call(self, request_cls: Any, body: dict[str, Any], handler: Any) -> EngineReply:
+    async def responses(self, body: dict[str, Any]) -> EngineReply:
+        """OpenAI's Responses API, stateless: vLLM's own handler (its in-memory store stays off)."""
+        handler = getattr(self._state, "openai_serving_responses", None)
+        if handler is None:
+            return self._wrong_endpoint("the Responses API")
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return await self._call(ResponsesRequest, body, handler.create_responses, events=_typed_events,
+                                dump={"mode": "json", "by_alias": True})
+
+    async def messages(self, body: dict[str, Any]) -> EngineReply:
+        """Anthropic's Messages API: vLLM's own handler (a chat completion underneath, converted both ways)."""
+        handler = getattr(self._state, "anthropic_serving_messages", None)
+        if handler is None:
+            return self._wrong_endpoint("the Messages API")
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        return await self._call(AnthropicMessagesRequest, body, handler.create_messages, dump={"exclude_none": True})
+
+    async def _call(self, request_cls: Any, body: dict[str, Any], handler: Any, events: Any = None,
+                    dump: dict[str, Any] | None = None) -> EngineReply:
+        """`events`: turns a stream of typed events into SSE text (chat and Messages stream text already);
+        `dump`: how the reply body is serialised (each API as vLLM's own server sends it)."""
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         try:
@@ -258,9 +294,12 @@ class VLLMEngine:
             # Request validators raise VLLMValidationError, which pydantic does not wrap; vLLM's own
             # mapping turns it (and every other client error) into a 4xx with its parameter.
             result = create_error_response(exc)
-        return self._to_reply(result)
+        reply = self._to_reply(result, dump or {"exclude_none": False})
+        if reply.stream is not None and events is not None:
+            reply.stream = events(reply.stream)
+        return reply
 
-    def _to_reply(self, result: Any) -> EngineReply:
+    def _to_reply(self, result: Any, dump: dict[str, Any] | None = None) -> EngineReply:
         from starlette.responses import Response
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
@@ -275,7 +314,7 @@ class VLLMEngine:
                 return EngineReply(400, error_body("encoding_format must be 'float' or 'base64'", 400))
             return EngineReply(result.status_code, json.loads(bytes(result.body)))
         if hasattr(result, "model_dump"):
-            return EngineReply(200, result.model_dump(exclude_none=False))
+            return EngineReply(200, result.model_dump(**(dump or {"exclude_none": False})))
         return EngineReply(200, stream=result)
 
     def _wrong_endpoint(self, what: str) -> EngineReply:
@@ -318,6 +357,18 @@ class VLLMEngine:
 
         if endpoint == "embedding":
             return await asyncio.to_thread(self._input_lengths, body)
+        if endpoint == "responses":
+            return await self._responses_prompt_length(body)
+        if endpoint == "messages":  # rendered as the chat request vLLM's Messages handler makes of it
+            from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+            from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+            try:
+                chat = AnthropicServingMessages.to_chat_completion_request(
+                    _adapter(AnthropicMessagesRequest).validate_python(body))
+            except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
+                return None
+            endpoint, body = "chat", chat.model_dump(exclude_unset=True)
         handler = self._state.openai_serving_chat if endpoint == "chat" else self._state.openai_serving_completion
         if handler is None:
             return None
@@ -330,6 +381,23 @@ class VLLMEngine:
             if not isinstance(inputs, list):  # an ErrorResponse
                 return None
             return [int(handler._extract_prompt_len(i)) for i in inputs]
+        except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
+            return None
+
+    async def _responses_prompt_length(self, body: dict[str, Any]) -> list[int] | None:
+        """A Responses request's prompt tokens, rendered by vLLM's Responses handler (instructions, input
+        items and tools through the chat template). Stateless: there is no previous response to add."""
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        handler = getattr(self._state, "openai_serving_responses", None)
+        if handler is None:
+            return None
+        try:
+            rendered = await handler._render_resolved_response_inputs(
+                _adapter(ResponsesRequest).validate_python(body), None)
+            if not hasattr(rendered, "engine_input"):  # an ErrorResponse
+                return None
+            return [int(handler._extract_prompt_len(rendered.engine_input))]
         except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
             return None
 

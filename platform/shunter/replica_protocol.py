@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ENDPOINTS = ("chat", "completion", "embedding")
+ENDPOINTS = ("chat", "completion", "embedding", "responses", "messages")
 
 
 @dataclass(frozen=True)

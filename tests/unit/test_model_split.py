@@ -80,7 +80,7 @@ def test_unknown_and_fake_models_have_no_shape(hf_cache):
 def test_a_prepared_builtin_is_read_from_its_dir_before_the_published_table(tmp_path):
     assert model_shape("builtin:smollm2-135m-instruct", tmp_path) == ModelShape(
         9, 3, 30, "published config of smollm2-135m-instruct")
-    prepared = tmp_path / "smollm2-135m-instruct-r1"
+    prepared = tmp_path / "smollm2-135m-instruct-r2"
     path = _write_config(prepared, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=29)
     assert model_shape("builtin:smollm2-135m-instruct", tmp_path).layers == 30, "not complete: not prepared"
     (prepared / ".shunter-complete").touch()

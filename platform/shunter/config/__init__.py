@@ -7,7 +7,7 @@ starts. Later features (versions, routing, autoscaling, breakers, drain) add opt
 defaults, so existing files stay valid.
 
 One module per section: `root` (ShunterConfig, parse_config), `model`, `engine`, `routing`,
-`scaling` (autoscaling, admission, draining), `rollout` (versions, gates), `gateway` (limits), `auth`,
+`scaling` (autoscaling, admission, draining), `serving` (tools, reasoning, chat template), `rollout` (versions, gates), `gateway` (limits), `auth`,
 `observability`, `cluster`, `tiers`; `explain` turns pydantic errors into readable lines. Import
 from `shunter.config`, which names them all.
 """
@@ -24,6 +24,7 @@ from shunter.config.rollout import GatesConfig, RolloutConfig, VersionConfig
 from shunter.config.root import ConfigError, ShunterConfig, parse_config
 from shunter.config.routing import BreakerConfig, RoutingConfig
 from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
+from shunter.config.serving import ServingConfig
 from shunter.config.tiers import TierConfig, TierMonitorConfig, TiersConfig
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "ObservabilityConfig",
     "RolloutConfig",
     "RoutingConfig",
+    "ServingConfig",
     "ShunterConfig",
     "StrictModel",
     "TierConfig",

@@ -13,6 +13,7 @@ from shunter.config.engine import EngineConfig
 from shunter.config.rollout import RolloutConfig, VersionConfig
 from shunter.config.routing import RoutingConfig
 from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
+from shunter.config.serving import ServingConfig
 
 
 def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> None:
@@ -33,6 +34,14 @@ def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> N
             raise ValueError(f"{where}engine.max_model_len {limit} exceeds what {source} allows "
                              f"({builtin.max_model_len}); set it to at most {builtin.max_model_len}")
         engine.max_model_len = builtin.max_model_len
+
+
+def _builtin_tool_parser(source: str) -> str | None:
+    """The tool call parser a builtin model's chat template calls for (None: not builtin, or no tools)."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return None
+    builtin = BUILTIN_MODELS.get(source[len(BUILTIN_PREFIX):])
+    return builtin.tool_call_parser if builtin is not None else None
 
 
 DEFAULT_VERSION = "default"  # the one version of a model configured with `source:` alone
@@ -90,6 +99,11 @@ class ModelConfig(StrictModel):
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
         description="vLLM engine settings (with `versions`: the defaults each version's `engine` refines).",
+    )
+    serving: ServingConfig = Field(
+        default_factory=ServingConfig,
+        description="Generate models: vLLM's frontend options that shape the API (tool call and reasoning "
+        "parsers, chat template, response role); one set for every version.",
     )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="When new requests are refused with 429 (overload)."
@@ -161,6 +175,23 @@ class ModelConfig(StrictModel):
             _check_source(self.source, self.task, self.engine, "")
         for i, version in enumerate(self.versions):
             _check_source(version.source, self.task, version.engine, f"versions[{i}].")
+        return self
+
+    @model_validator(mode="after")
+    def _serving_fits_task(self) -> ModelConfig:
+        """A builtin source brings its tool call parser unless the file sets one (null included); an
+        embedding model serves no chat, so its serving options would do nothing."""
+        serving = self.serving
+        if self.task == "embed":
+            if serving.model_dump() != ServingConfig().model_dump():
+                raise ValueError("serving: an embed model serves no chat; its tool, reasoning and template "
+                                 "options apply to generate models only")
+            return self
+        if "tool_call_parser" not in serving.model_fields_set:
+            sources = [self.source] if self.source is not None else [v.source for v in self.versions]
+            parsers = {_builtin_tool_parser(s) for s in sources}
+            if len(parsers) == 1 and None not in parsers:
+                serving.tool_call_parser = parsers.pop()
         return self
 
     @model_validator(mode="after")

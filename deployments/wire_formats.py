@@ -1,0 +1,121 @@
+"""What differs between the APIs the gateway serves, on the wire: error shapes and stream events.
+
+Chat and completions stream OpenAI's `data: {...}` chunks and end with `data: [DONE]`; the Responses API
+streams typed events (`event: response.output_text.delta`, ... `event: response.completed` carrying the
+usage); Anthropic's Messages API streams its own typed events (`message_start` with the prompt tokens,
+`content_block_delta`, `message_delta` with the completion tokens) and answers errors as
+`{"type": "error", "error": {"type": ..., "message": ...}}`. Everything else about a request (the door,
+routing, versions, quotas) is the same for all of them; this module is the one place that knows the
+shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shunter.errors import error_body
+
+EVENT_APIS = ("responses", "messages")  # endpoints that stream typed events rather than OpenAI chunks
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(body: Any, status: int) -> dict[str, Any]:
+    """An OpenAI-shaped error body (every refusal the gateway or the engine makes) in Anthropic's shape."""
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    kind = _ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": str(message or f"HTTP {status}")}}
+
+
+def stream_error_event(endpoint: str, message: str, status: int, code: str) -> str:
+    """The event that ends a started stream with an error, in the endpoint's own format."""
+    if endpoint == "messages":
+        return f"event: error\ndata: {json.dumps(anthropic_error(error_body(message, status), status))}\n\n"
+    if endpoint == "responses":
+        data = {"type": "error", "code": code, "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(data)}\n\n"
+    return f"data: {json.dumps(error_body(message, status, code=code))}\n\n"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What the platform reads from one typed event: a token delta, the usage it carries (either field
+    None when absent), or an error (its OpenAI-style `error` object: message, and code when known)."""
+
+    token: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: dict[str, Any] | None = None
+
+
+_NOTHING = StreamEvent()
+
+
+def read_event(endpoint: str, text: str) -> StreamEvent:
+    """One SSE event of a Responses or Messages stream (`event: <type>\\ndata: {...}\\n\\n`)."""
+    start = text.find("data: ")
+    if start < 0:
+        return _NOTHING
+    try:
+        data = json.loads(text[start + len("data: "):])
+    except ValueError:
+        return _NOTHING
+    if not isinstance(data, dict):
+        return _NOTHING
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        return _NOTHING
+    if kind == "error":
+        error = data.get("error") if endpoint == "messages" else data
+        error = error if isinstance(error, dict) else {}
+        code = error.get("code")
+        return StreamEvent(error={"message": error.get("message"), "code": code if code is not None else 500})
+    if endpoint == "responses":
+        if kind.endswith(".delta"):  # text, reasoning, a tool call's arguments
+            return StreamEvent(token=True)
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = data.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            return _usage(usage, "input_tokens", "output_tokens")
+        return _NOTHING
+    if kind == "content_block_delta":
+        return StreamEvent(token=True)
+    if kind == "message_start":
+        message = data.get("message")
+        return _usage(message.get("usage") if isinstance(message, dict) else None, "input_tokens", None)
+    if kind == "message_delta":
+        return _usage(data.get("usage"), "input_tokens", "output_tokens")
+    return _NOTHING
+
+
+def whole_usage(body: Any) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of a whole reply in any of the APIs' shapes, or None without usage."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    # Anthropic counts cached prompt tokens apart from `input_tokens`; the engine computed them all the same.
+    prompt = sum(int(usage.get(k) or 0) for k in ("input_tokens", "cache_read_input_tokens",
+                                                  "cache_creation_input_tokens"))
+    return prompt, int(usage.get("output_tokens") or 0)
+
+
+def _usage(usage: Any, prompt_key: str | None, completion_key: str | None) -> StreamEvent:
+    if not isinstance(usage, dict):
+        return _NOTHING
+
+    def count(key: str | None) -> int | None:
+        value = usage.get(key) if key else None
+        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    prompt = count(prompt_key)
+    if prompt is not None and prompt_key == "input_tokens":
+        prompt += sum(int(usage.get(k) or 0) for k in ("cache_read_input_tokens", "cache_creation_input_tokens"))
+    return StreamEvent(prompt_tokens=prompt, completion_tokens=count(completion_key))

@@ -1,0 +1,150 @@
+"""`serving:` of a model: vLLM's frontend arguments that shape the API a model offers (tool calling,
+reasoning, its chat template), checked against the installed vLLM before anything starts.
+
+These are not engine arguments (`AsyncEngineArgs`), so `engine.extra_engine_args` cannot reach them: vLLM
+reads them from its server's command line (`FrontendArgs`) when it builds its OpenAI handlers, and the
+replica builds those handlers the same way (`shunter.engine`). Each field here names the vLLM argument it
+sets; `test_serving_options` checks that vLLM still defines every one of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from shunter.config.base import StrictModel
+
+# Our field -> vLLM's argument (a FrontendArgs field, or for reasoning_parser an AsyncEngineArgs one).
+VLLM_ARGUMENTS = {
+    "tool_call_parser": "tool_call_parser",
+    "enable_auto_tool_choice": "enable_auto_tool_choice",
+    "reasoning_parser": "reasoning_parser",
+    "chat_template": "chat_template",
+    "response_role": "response_role",
+    "default_chat_template_kwargs": "default_chat_template_kwargs",
+}
+
+
+class ServingConfig(StrictModel):
+    """How a generative model's API behaves beyond plain text: tools, reasoning, its chat template."""
+
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM's --tool-call-parser: how the model writes a tool call (hermes, llama3_json, mistral, "
+        "...; the model's chat template decides which). Needed for `tools` with tool_choice auto, required or "
+        "a named function. A builtin model sets its own (see `shunter models list`); null turns tools off.",
+    )
+    enable_auto_tool_choice: bool | None = Field(
+        default=None,
+        description="vLLM's --enable-auto-tool-choice: the model decides itself whether to call a tool "
+        "(tool_choice auto, the default when a request sends tools). null = on whenever tool_call_parser is set.",
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="vLLM's --reasoning-parser (deepseek_r1, qwen3, ...): a reasoning model's thinking is "
+        "returned apart from its answer (`reasoning_content` in chat, reasoning items in Responses, thinking "
+        "blocks in Messages).",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="vLLM's --chat-template: a Jinja file that replaces the model's own chat template. A path "
+        "on every node that runs a replica (absolute is safest); requests can never send their own.",
+    )
+    response_role: str = Field(
+        default="assistant", min_length=1, max_length=64,
+        description="vLLM's --response-role: the role of the generated message.",
+    )
+    default_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM's --default-chat-template-kwargs: variables every request's chat template sees unless "
+        "the request sets its own (e.g. {enable_thinking: false} for Qwen3).",
+    )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_parser_known(cls, value: str | None) -> str | None:
+        return _known(value, _vllm_tool_parsers(), "tool call parser")
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _reasoning_parser_known(cls, value: str | None) -> str | None:
+        return _known(value, _vllm_reasoning_parsers(), "reasoning parser")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat template {value!r} is not a file (give the path of a Jinja template; "
+                             "relative paths are taken from the current directory)")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template {value!r} cannot be read: {exc}") from None
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template {value!r} is not valid Jinja: {exc.message} (line {exc.lineno})") \
+                from None
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> ServingConfig:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            # vLLM's own rule (validate_parsed_serve_args), found before any replica starts.
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the parser reads the tool calls "
+                             "the model writes)")
+        return self
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """Whether the model may decide itself to call a tool (the null default resolved)."""
+        if self.enable_auto_tool_choice is not None:
+            return self.enable_auto_tool_choice
+        return self.tool_call_parser is not None
+
+    def vllm_arguments(self) -> dict[str, Any]:
+        """The vLLM argument values these options set (names as vLLM's argument namespace has them)."""
+        return {
+            "tool_call_parser": self.tool_call_parser,
+            "enable_auto_tool_choice": self.auto_tool_choice,
+            "reasoning_parser": self.reasoning_parser or "",
+            "chat_template": self.chat_template,
+            "response_role": self.response_role,
+            "default_chat_template_kwargs": dict(self.default_chat_template_kwargs) or None,
+        }
+
+
+def _known(value: str | None, known: frozenset[str], what: str) -> str | None:
+    if value is None or not known or value in known:
+        return value
+    hint = difflib.get_close_matches(value, sorted(known), n=1)
+    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    raise ValueError(f"unknown {what} {value!r}; {fix}vLLM knows: {', '.join(sorted(known))}")
+
+
+@lru_cache(maxsize=1)
+def _vllm_tool_parsers() -> frozenset[str]:
+    """vLLM's registered tool call parsers, or empty when vLLM is not installed (checked at replica start)."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except Exception:  # noqa: BLE001 - a machine without vLLM still validates everything else
+        return frozenset()
+    return frozenset(ToolParserManager.list_registered())
+
+
+@lru_cache(maxsize=1)
+def _vllm_reasoning_parsers() -> frozenset[str]:
+    try:
+        from vllm.reasoning import ReasoningParserManager
+    except Exception:  # noqa: BLE001
+        return frozenset()
+    return frozenset(ReasoningParserManager.list_registered())
