@@ -1,5 +1,5 @@
-"""The app with API keys, quotas and limits that two e2e modules share: the keys-and-fuzzing module and
-the hostile-client module (one app start for both; tests/e2e/conftest.py stops it after the last test
+"""The app with API keys, quotas and limits that three e2e modules share: the agent-API keys module, the
+keys-and-fuzzing module and the hostile-client module (one app start for all; tests/e2e/conftest.py stops it after the last test
 that uses it).
 
 Keys reach the gateway as a real deployment gives them: environment variables of its process and a key
@@ -28,11 +28,13 @@ from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
 
 APP = "keys-e2e"
 FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key(), new_key()
+AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
-       "SHUNTER_TEST_KEY_PACED": PACED}
+       "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
+AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 
@@ -58,7 +60,10 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "budget", "key_env": "SHUNTER_TEST_KEY_BUDGET",
                       "tokens_per_minute": BUDGET_TOKENS_PER_MINUTE},
                      {"name": "paced", "key_env": "SHUNTER_TEST_KEY_PACED",
-                      "requests_per_minute": PACED_REQUESTS_PER_MINUTE}],
+                      "requests_per_minute": PACED_REQUESTS_PER_MINUTE},
+                     {"name": "agents", "key_env": "SHUNTER_TEST_KEY_AGENTS",
+                      "tokens_per_minute": AGENTS_TOKENS_PER_MINUTE},
+                     {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

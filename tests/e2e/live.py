@@ -149,6 +149,12 @@ class LiveApp:
 
         return openai.OpenAI(**{"base_url": self.v1, "api_key": "unused", "max_retries": 0, "timeout": 120, **kwargs})
 
+    def anthropic(self, **kwargs: Any):
+        import anthropic
+
+        return anthropic.Anthropic(**{"base_url": self.base_url, "api_key": "unused", "max_retries": 0,
+                                      "timeout": 120, **kwargs})
+
     def async_openai(self, **kwargs: Any):
         import openai
 

@@ -79,7 +79,9 @@ def test_missing_wrong_or_admin_keys_get_401_or_403_from_every_v1_endpoint(app, 
     for method, path, body in [("GET", "/v1/models", None), ("GET", f"/v1/models/{CHAT_MODEL}", None),
                                ("POST", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": []}),
                                ("POST", "/v1/completions", {"model": CHAT_MODEL, "prompt": "x"}),
-                               ("POST", "/v1/embeddings", {"model": EMBED_MODEL, "input": "x"})]:
+                               ("POST", "/v1/embeddings", {"model": EMBED_MODEL, "input": "x"}),
+                               ("POST", "/v1/responses", {"model": CHAT_MODEL, "input": "x"}),
+                               ("POST", "/v1/messages", {"model": CHAT_MODEL, "max_tokens": 1, "messages": []})]:
         resp = httpx.request(method, f"{app}{path}", headers=headers, json=body, timeout=TIMEOUT_S)
         expected = 403 if key == ADMIN else 401
         assert resp.status_code == expected, (path, resp.text)
@@ -238,7 +240,8 @@ def _schema(base: str) -> Any:
 
     raw = httpx.get(f"{base}/openapi.json", timeout=TIMEOUT_S).json()
     names = [CHAT_MODEL, "smollm2", EMBED_MODEL, "no-such-model"]
-    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "ResponsesRequest",
+                 "MessagesRequest"):
         raw["components"]["schemas"][name]["properties"]["model"]["enum"] = names
     schema = schemathesis.openapi.from_dict(raw)
     schema.config.update(base_url=base)
@@ -264,7 +267,7 @@ def _fuzz(operation: Any, failures: list[str]) -> Any:
     examples = SCALE * (60 if operation.path.startswith("/v1/") and operation.method.upper() == "POST" else 15)
 
     strategies = [operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE)]
-    if operation.path in ("/v1/chat/completions", "/v1/completions"):
+    if operation.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
         strategies.append(operation.as_strategy(GenerationMode.POSITIVE).map(_streamed))
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),

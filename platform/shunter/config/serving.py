@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from shunter.config.base import StrictModel
 VLLM_ARGUMENTS = {
     "tool_call_parser": "tool_call_parser",
     "enable_auto_tool_choice": "enable_auto_tool_choice",
+    "tool_strict_level": "tool_strict_level",
     "reasoning_parser": "reasoning_parser",
     "chat_template": "chat_template",
     "response_role": "response_role",
@@ -42,6 +43,13 @@ class ServingConfig(StrictModel):
         default=None,
         description="vLLM's --enable-auto-tool-choice: the model decides itself whether to call a tool "
         "(tool_choice auto, the default when a request sends tools). null = on whenever tool_call_parser is set.",
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        default="auto",
+        description="vLLM's --tool-strict-level: how far tool calls are constrained. auto: a forced call's "
+        "format (tool_choice required or a named function), and a tool's arguments to its schema where the tool "
+        "says `strict: true`; function: every call's format; parameter: every call's arguments too (for a small "
+        "model whose calls would not parse otherwise).",
     )
     reasoning_parser: str | None = Field(
         default=None,
@@ -116,6 +124,7 @@ class ServingConfig(StrictModel):
         return {
             "tool_call_parser": self.tool_call_parser,
             "enable_auto_tool_choice": self.auto_tool_choice,
+            "tool_strict_level": self.tool_strict_level,
             "reasoning_parser": self.reasoning_parser or "",
             "chat_template": self.chat_template,
             "response_role": self.response_role,

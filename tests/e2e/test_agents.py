@@ -1,0 +1,204 @@
+"""Agent APIs of configs/local.yaml against the real engine: tool calling, the Responses API and Anthropic's
+Messages API, each through its official client (`openai`, `anthropic`).
+
+The builtin chat model serves tools with the `hermes` parser its shipped chat template calls for
+(shunter.catalog). It is a 135M model: left to itself (tool_choice auto) it rarely calls a tool, so the
+tests that need a call force one (required, or a named function); vLLM then constrains the output to the
+tool-call format, and `strict` tools to their argument schema, so the arguments always parse. A `city`
+drawn from an enum keeps those arguments a few tokens long.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from .live import CHAT_MODEL, EMBED_MODEL
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time of a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+# Responses and Anthropic tools are flat: no `function` wrapper.
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "strict": True,
+                     "description": WEATHER["function"]["description"],
+                     "parameters": WEATHER["function"]["parameters"]}
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"], "strict": True,
+                     "input_schema": WEATHER["function"]["parameters"]}
+
+
+def _arguments(call) -> dict:
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "London"), arguments
+    return arguments
+
+
+# ---- tool calling through chat completions --------------------------------------------------------------
+
+def test_a_named_tool_choice_returns_a_call_whose_arguments_parse(live_app):
+    resp = live_app.openai().chat.completions.create(
+        model=CHAT_MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    message = resp.choices[0].message
+    assert resp.choices[0].finish_reason in ("stop", "tool_calls"), resp
+    assert [c.function.name for c in message.tool_calls] == ["get_time"]
+    _arguments(message.tool_calls[0])
+    assert message.tool_calls[0].id
+
+
+def test_tool_choice_required_streamed_is_assembled_by_the_client(live_app):
+    """The client's stream helper assembles the tool-call deltas into whole calls."""
+    with live_app.openai().chat.completions.stream(
+            model=CHAT_MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60,
+            temperature=0) as stream:
+        deltas = sum(1 for event in stream if event.type == "tool_calls.function.arguments.delta")
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert deltas >= 1 and len(calls) >= 1 and calls[0].function.name == "get_weather", final
+    _arguments(calls[0])
+
+
+def test_tool_choice_auto_is_accepted_and_answers_or_calls(live_app):
+    resp = live_app.openai().chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[WEATHER],
+                                                     max_tokens=40, temperature=0)
+    message = resp.choices[0].message
+    assert message.content or message.tool_calls, resp
+
+
+def test_tool_choice_none_answers_in_text(live_app):
+    resp = live_app.openai().chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[WEATHER],
+                                                     tool_choice="none", max_tokens=20, temperature=0)
+    assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
+
+
+def test_a_two_turn_tool_conversation_sends_the_result_back(live_app):
+    client = live_app.openai()
+    first = client.chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=60, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    _arguments(call)
+    turn = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees Celsius."}]
+    second = client.chat.completions.create(model=CHAT_MODEL, messages=turn, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=30, temperature=0)
+    assert second.choices[0].message.content
+    # The tool's result reached the prompt: the second turn is the first one's prompt and more.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+def test_tool_definitions_count_toward_the_prompt(live_app):
+    client = live_app.openai()
+    bare = client.chat.completions.create(model=CHAT_MODEL, messages=ASK, max_tokens=1)
+    with_tools = client.chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                                tool_choice="none", max_tokens=1)
+    assert with_tools.usage.prompt_tokens > bare.usage.prompt_tokens + 50
+
+
+def test_tools_sent_to_an_embedding_model_get_a_400_naming_the_endpoint(live_app):
+    resp = httpx.post(f"{live_app.v1}/responses", timeout=60, json={"model": EMBED_MODEL, "input": "hi"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_supported", resp.text
+
+
+# ---- the Responses API ----------------------------------------------------------------------------------
+
+def test_responses_plain(live_app):
+    resp = live_app.openai().responses.create(model=CHAT_MODEL, input="What is the capital of France?",
+                                              instructions="Answer in one sentence.", max_output_tokens=30,
+                                              temperature=0)
+    assert resp.status in ("completed", "incomplete") and resp.output_text
+    assert resp.usage.input_tokens > 0 and 0 < resp.usage.output_tokens <= 30
+    assert resp.model == CHAT_MODEL
+
+
+def test_responses_streamed_events_in_order_with_final_usage(live_app):
+    with live_app.openai().responses.stream(model=CHAT_MODEL, input="Say hello.", max_output_tokens=12,
+                                            temperature=0) as stream:
+        received = list(stream)
+        final = stream.get_final_response()
+    events = [(event.type, event.sequence_number) for event in received]
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    first_delta = kinds.index("response.output_text.delta")
+    assert kinds.index("response.output_item.added") < first_delta < kinds.index("response.output_text.done")
+    assert [number for _, number in events] == list(range(len(events))), events
+    assert 0 < final.usage.output_tokens <= 12 and final.usage.input_tokens > 0
+    deltas = "".join(event.delta for event in received if event.type == "response.output_text.delta")
+    assert final.output_text and final.output_text == deltas
+
+
+def test_responses_with_a_forced_function_call(live_app):
+    resp = live_app.openai().responses.create(model=CHAT_MODEL, input="What is the weather in Paris?",
+                                              tools=[RESPONSES_WEATHER], tool_choice="required",
+                                              max_output_tokens=60, temperature=0)
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", resp.output
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "London")
+
+
+def test_responses_refuses_state_it_does_not_keep(live_app):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        live_app.openai().responses.create(model=CHAT_MODEL, input="and then?", previous_response_id="resp_123")
+    assert refused.value.body["param"] == "previous_response_id"
+    assert refused.value.body["code"] == "unsupported_parameter"
+
+
+# ---- Anthropic's Messages API ---------------------------------------------------------------------------
+
+def test_messages_plain(live_app):
+    message = live_app.anthropic().messages.create(
+        model=CHAT_MODEL, max_tokens=30, system="Answer in one sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert message.role == "assistant" and message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens > 0 and 0 < message.usage.output_tokens <= 30
+
+
+def test_messages_streamed(live_app):
+    with live_app.anthropic().messages.stream(model=CHAT_MODEL, max_tokens=12,
+                                              messages=[{"role": "user", "content": "Say hello."}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text
+    assert final.usage.output_tokens > 0 and final.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_messages_with_a_forced_tool(live_app):
+    message = live_app.anthropic().messages.create(
+        model=CHAT_MODEL, max_tokens=60, tools=[ANTHROPIC_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and uses[0].input["city"] in ("Paris", "London"), message
+
+
+def test_messages_errors_come_in_anthropics_shape(live_app):
+    import anthropic
+
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        live_app.anthropic().messages.create(model="no-such-model", max_tokens=5,
+                                             messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        live_app.anthropic().messages.create(model=CHAT_MODEL, max_tokens=-1,
+                                             messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+
+
+# ---- what /v1/models says -------------------------------------------------------------------------------
+
+def test_models_say_what_each_model_supports(live_app):
+    cards = {card["id"]: card for card in httpx.get(f"{live_app.v1}/models", timeout=30).json()["data"]}
+    chat = cards[CHAT_MODEL]["capabilities"]
+    assert "/v1/responses" in chat["endpoints"] and "/v1/messages" in chat["endpoints"]
+    assert chat["tools"] == {"tool_call_parser": "hermes", "tool_choice": ["none", "auto", "required", "function"]}
+    assert chat["reasoning"] == {"enabled_by": "serving.reasoning_parser"}
+    assert cards[EMBED_MODEL]["capabilities"] == {"endpoints": ["/v1/embeddings"]}

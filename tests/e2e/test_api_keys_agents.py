@@ -1,0 +1,86 @@
+"""The agent APIs (Responses, Anthropic Messages) behind the same door as chat, on the keyed app
+(tests/e2e/keyed_app.py): a key not allowed the model is refused before anything runs, in each API's
+error shape, and a key's token quota is settled at the tokens the engine really used, for whole replies
+and streams alike, until it refuses with a 429."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from shunter.auth import key_id
+
+from .keyed_app import AGENTS, AGENTS_TOKENS_PER_MINUTE, EMBED_ONLY, TIMEOUT_S
+from .live import CHAT_MODEL, scrape_until
+
+pytestmark = pytest.mark.own_app
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def app(keyed_app_url) -> str:
+    return keyed_app_url
+
+
+def _openai(base: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S)
+
+
+def _anthropic(base: str, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=TIMEOUT_S)
+
+
+def test_a_key_not_allowed_the_model_is_refused_by_every_agent_api(app):
+    with pytest.raises(openai.PermissionDeniedError) as responses:
+        _openai(app, EMBED_ONLY).responses.create(model=CHAT_MODEL, input="hi", max_output_tokens=4)
+    assert responses.value.body["code"] == "model_not_allowed"
+    with pytest.raises(openai.PermissionDeniedError):
+        _openai(app, EMBED_ONLY).responses.create(model=CHAT_MODEL, input="hi", max_output_tokens=4, stream=True)
+    with pytest.raises(anthropic.PermissionDeniedError) as messages:  # the key as Anthropic's clients send it
+        _anthropic(app, EMBED_ONLY).messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO)
+    assert messages.value.body["error"]["type"] == "permission_error"
+    with pytest.raises(anthropic.AuthenticationError) as wrong:
+        _anthropic(app, "sk-not-a-key-0123456789").messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO)
+    assert wrong.value.body["type"] == "error"
+
+
+def test_a_keys_quota_is_settled_at_real_usage_then_refuses_each_api(app):
+    used = 0
+    reply = _openai(app, AGENTS).responses.create(model=CHAT_MODEL, input="Say hello.", max_output_tokens=4)
+    used += reply.usage.input_tokens + reply.usage.output_tokens
+    with _openai(app, AGENTS).responses.stream(model=CHAT_MODEL, input="Say hi.", max_output_tokens=4) as stream:
+        final = stream.get_final_response()
+    used += final.usage.input_tokens + final.usage.output_tokens
+    message = _anthropic(app, AGENTS).messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO)
+    used += message.usage.input_tokens + message.usage.output_tokens
+    with _anthropic(app, AGENTS).messages.stream(model=CHAT_MODEL, max_tokens=4, messages=HELLO) as stream:
+        streamed = stream.get_final_message()
+    used += streamed.usage.input_tokens + streamed.usage.output_tokens
+    from tests.integration.local_app import kept_metrics_url
+
+    labels = {"key_id": key_id(AGENTS)}
+    text = scrape_until(kept_metrics_url(), [("ray_shunter_key_tokens_total", labels)], at_least=used)
+    from .live import metric_total
+
+    assert metric_total(text, "ray_shunter_key_tokens_total", **labels) == used, "settled at what the engine used"
+    # Past the budget (each gateway holds half of it), each API answers a 429 in its own shape.
+    refusals: dict[str, Exception] = {}
+    for _ in range(40):
+        if "responses" not in refusals:
+            try:
+                _openai(app, AGENTS).responses.create(model=CHAT_MODEL, input="Say hello.", max_output_tokens=8)
+            except openai.RateLimitError as exc:
+                refusals["responses"] = exc
+        if "messages" not in refusals:
+            try:
+                _anthropic(app, AGENTS).messages.create(model=CHAT_MODEL, max_tokens=8, messages=HELLO)
+            except anthropic.RateLimitError as exc:
+                refusals["messages"] = exc
+        if len(refusals) == 2:
+            break
+    assert set(refusals) == {"responses", "messages"}, f"{AGENTS_TOKENS_PER_MINUTE} tokens a minute never ran out"
+    assert refusals["responses"].body["code"] == "rate_limit_exceeded"
+    assert refusals["messages"].body["error"]["type"] == "rate_limit_error"
+    assert int(refusals["messages"].response.headers["retry-after"]) >= 1
