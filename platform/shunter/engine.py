@@ -101,6 +101,29 @@ async def _typed_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
         yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(by_alias=True)}\n\n"
 
 
+def _name_reasoning_content(data: dict[str, Any], part: str) -> bool:
+    """Copy each choice's `reasoning` (its `message` or stream `delta`) to `reasoning_content`; True
+    when there was one."""
+    found = False
+    for choice in data.get("choices") or ():
+        message = choice.get(part) if isinstance(choice, dict) else None
+        if isinstance(message, dict) and message.get("reasoning") is not None:
+            message["reasoning_content"] = message["reasoning"]
+            found = True
+    return found
+
+
+async def _reasoning_content_chunks(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A chat stream whose thinking deltas also carry `reasoning_content` (see VLLMEngine.chat). Only the
+    chunks that hold thinking are decoded; the others pass as vLLM wrote them."""
+    async for chunk in chunks:
+        if chunk.startswith("data: {") and '"reasoning":' in chunk:
+            data = json.loads(chunk[len("data: "):])
+            if _name_reasoning_content(data, "delta"):
+                chunk = f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        yield chunk
+
+
 @cache
 def _adapter(request_type: Any) -> TypeAdapter:
     """Validator for a vLLM request type; some (EmbeddingRequest) are unions, not models."""
@@ -242,7 +265,15 @@ class VLLMEngine:
             return self._wrong_endpoint("chat completions")
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        return await self._call(ChatCompletionRequest, body, handler.create_chat_completion)
+        reply = await self._call(ChatCompletionRequest, body, handler.create_chat_completion)
+        if self.spec.serving.reasoning_parser and reply.status == 200:
+            # vLLM 0.32 names a message's thinking `reasoning`; clients written for DeepSeek's API and for
+            # earlier vLLM read `reasoning_content`. Both are sent.
+            if reply.body is not None:
+                _name_reasoning_content(reply.body, "message")
+            if reply.stream is not None:
+                reply.stream = _reasoning_content_chunks(reply.stream)
+        return reply
 
     async def completion(self, body: dict[str, Any]) -> EngineReply:
         handler = self._state.openai_serving_completion

@@ -266,3 +266,28 @@ def test_errors_in_anthropics_shape():
     assert '"type": "overloaded_error"' in stream_error_event("messages", "broke", 503, "stream_interrupted")
     assert stream_error_event("chat", "broke", 503, "stream_interrupted").startswith('data: {"error"')
     assert '"code": "stream_interrupted"' in stream_error_event("responses", "broke", 503, "stream_interrupted")
+
+
+# ---- reasoning -------------------------------------------------------------------------------------------------
+
+def test_a_reasoning_models_thinking_is_also_sent_as_reasoning_content():
+    import asyncio
+
+    from shunter.engine import _name_reasoning_content, _reasoning_content_chunks
+
+    body = {"choices": [{"index": 0, "message": {"content": "4", "reasoning": "2 and 2"}}]}
+    assert _name_reasoning_content(body, "message")
+    assert body["choices"][0]["message"]["reasoning_content"] == "2 and 2"
+
+    async def vllm_stream():
+        yield 'data: {"choices":[{"index":0,"delta":{"reasoning":"hm"}}],"usage":{"completion_tokens":1}}\n\n'
+        yield 'data: {"choices":[{"index":0,"delta":{"content":"4"}}]}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def relayed():
+        return [chunk async for chunk in _reasoning_content_chunks(vllm_stream())]
+
+    first, second, done = asyncio.run(relayed())
+    assert first == ('data: {"choices":[{"index":0,"delta":{"reasoning":"hm","reasoning_content":"hm"}}],'
+                     '"usage":{"completion_tokens":1}}\n\n'), "usage stays the last key (the relay reads it there)"
+    assert second == 'data: {"choices":[{"index":0,"delta":{"content":"4"}}]}\n\n' and done == "data: [DONE]\n\n"
