@@ -11,7 +11,7 @@ import pytest
 
 from shunter.auth import key_id
 
-from .keyed_app import AGENTS, AGENTS_TOKENS_PER_MINUTE, EMBED_ONLY, TIMEOUT_S
+from .keyed_app import AGENTS, AGENTS_TOKENS_PER_MINUTE, EMBED_ONLY, FULL, MAX_PROMPT_TOKENS, MAX_TOKENS, TIMEOUT_S
 from .live import CHAT_MODEL, scrape_until
 
 pytestmark = pytest.mark.own_app
@@ -44,6 +44,25 @@ def test_a_key_not_allowed_the_model_is_refused_by_every_agent_api(app):
     with pytest.raises(anthropic.AuthenticationError) as wrong:
         _anthropic(app, "sk-not-a-key-0123456789").messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO)
     assert wrong.value.body["type"] == "error"
+
+
+def test_limits_hold_for_the_agent_apis_naming_their_fields(app):
+    """Tool definitions count toward the prompt limit: a short question with a large tool is too long."""
+    long = "word " * 400
+    with pytest.raises(openai.BadRequestError) as prompt:
+        _openai(app, FULL).responses.create(model=CHAT_MODEL, input=long, max_output_tokens=4)
+    assert (prompt.value.body["code"], prompt.value.body["param"]) == ("prompt_too_long", "input")
+    with pytest.raises(openai.BadRequestError) as output:
+        _openai(app, FULL).responses.create(model=CHAT_MODEL, input="hi", max_output_tokens=str(MAX_TOKENS + 1))
+    assert (output.value.body["code"], output.value.body["param"]) == ("max_tokens_too_large", "max_output_tokens")
+    big_tool = {"name": "lookup", "description": long, "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError) as tools:
+        _anthropic(app, FULL).messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO, tools=[big_tool])
+    assert tools.value.body["error"]["type"] == "invalid_request_error"
+    assert f"at most {MAX_PROMPT_TOKENS} prompt tokens" in tools.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as many:
+        _anthropic(app, FULL).messages.create(model=CHAT_MODEL, max_tokens=MAX_TOKENS + 1, messages=HELLO)
+    assert "max_tokens" in many.value.body["error"]["message"]
 
 
 def test_a_keys_quota_is_settled_at_real_usage_then_refuses_each_api(app):

@@ -102,15 +102,21 @@ def test_a_prompt_in_content_parts_is_counted_like_the_same_text_as_a_string(app
         assert f"at most {MAX_PROMPT_TOKENS}" in refused(resp, 400, "prompt_too_long")["message"]
 
 
-def test_tool_definitions_count_toward_the_quota(app):
-    """Tool definitions are prompt text the key pays for. (Rendered into the prompt, they also count
-    toward max_prompt_tokens, by vLLM's own renderer; this engine renders tools only with a tool-call
-    parser, which the agent-API issue adds; with tool_choice "none" vLLM leaves them out.)"""
+def test_tool_definitions_count_toward_the_quota_and_the_prompt_limit(app):
+    """Tool definitions are prompt text the key pays for, and the model reads: the builtin chat model's
+    template renders them (tool_choice "none" included, as vLLM's default keeps them), so vLLM's own
+    renderer counts them toward max_prompt_tokens at the replica."""
     tool = {"type": "function", "function": {"name": "lookup", "description": "word " * 1000,
                                              "parameters": {"type": "object", "properties": {}}}}
     body = chat_body(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="none")
     refused(post(app, "/v1/chat/completions", body, key=BUDGET), 429, "request_exceeds_quota")
-    served = post(app, "/v1/chat/completions", body, key=FULL)  # no quota: served, the tools left out
+    assert post(app, "/v1/chat/completions", body, key=FULL).status_code == 400  # no quota; past the context
+    shorter = {**tool, "function": {**tool["function"], "description": "word " * 300}}  # within the context
+    error = refused(post(app, "/v1/chat/completions", {**body, "tools": [shorter]}, key=FULL), 400,
+                    "prompt_too_long")
+    assert f"at most {MAX_PROMPT_TOKENS} prompt tokens" in error["message"]
+    # Without the tool the same chat is served: it was the tool's text that did not fit.
+    served = post(app, "/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "hi"}]), key=FULL)
     assert served.status_code == 200 and served.json()["usage"]["prompt_tokens"] < MAX_PROMPT_TOKENS, served.text
 
 

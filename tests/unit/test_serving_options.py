@@ -291,3 +291,23 @@ def test_a_reasoning_models_thinking_is_also_sent_as_reasoning_content():
     assert first == ('data: {"choices":[{"index":0,"delta":{"reasoning":"hm","reasoning_content":"hm"}}],'
                      '"usage":{"completion_tokens":1}}\n\n'), "usage stays the last key (the relay reads it there)"
     assert second == 'data: {"choices":[{"index":0,"delta":{"content":"4"}}]}\n\n' and done == "data: [DONE]\n\n"
+
+
+# ---- routing and tiers read the agent APIs' prompts --------------------------------------------------------------
+
+def test_agent_api_prompts_get_prefix_keys_that_share_their_common_beginning():
+    from shunter.routing.prefix import prefix_key, render_prompt
+    from shunter.routing.tiers import features
+
+    system = "You are a careful assistant who reads the whole document before answering. " * 8
+    for endpoint, make in [
+        ("responses", lambda q: {"instructions": system, "input": [{"role": "user", "content": q}]}),
+        ("messages", lambda q: {"system": system, "max_tokens": 5, "messages": [{"role": "user", "content": q}]}),
+    ]:
+        one, two = (prefix_key(render_prompt(endpoint, make(q * 12)), 16) for q in ("What is 2+2? ", "Colours? "))
+        assert len(one.keys) >= 5 and one.keys[:5] == two.keys[:5], endpoint  # the shared instructions
+        assert one.keys[-1] != two.keys[-1], endpoint  # then the questions
+        seen = features(make("Prove that the sum of two even numbers is even."))
+        assert (seen.turns, seen.prompt_tokens > len(system) // 4) == (1, True), endpoint  # instructions and input
+    assert render_prompt("responses", {"input": "hello"}) == "<user>hello"
+    assert features({"input": "hi", "max_output_tokens": 7}).max_tokens == 7

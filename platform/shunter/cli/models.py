@@ -31,7 +31,8 @@ def _models_list(args: argparse.Namespace) -> int:
     from shunter.catalog import BUILTIN_MODELS
 
     for model in BUILTIN_MODELS.values():
-        print(f"builtin:{model.key:24} {model.task:9} {model.pip_name:28} {model.description}")
+        tools = f" (tool calls: serving.tool_call_parser {model.tool_call_parser})" if model.tool_call_parser else ""
+        print(f"builtin:{model.key:24} {model.task:9} {model.pip_name:28} {model.description}{tools}")
     return 0
 
 
