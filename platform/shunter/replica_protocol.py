@@ -50,19 +50,22 @@ class ReplicaRequest(RouteHint):
     channel: str | None = None
 
     # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
-    # looking for an argument with a `messages` or `prompt` attribute; exposing exactly the one this
-    # request has lets those routers run unchanged for comparison. hasattr() is False when these raise.
+    # looking for an argument with a `messages` or `prompt` attribute, and cannot route one without
+    # either (the request waits until the gateway's queue timeout). Exposing exactly the one this request
+    # has lets those routers run unchanged: chat's and Anthropic's messages, a completion's prompt, a
+    # Responses input. hasattr() is False when these raise.
     @property
     def messages(self) -> Any:
-        if self.endpoint != "chat" or "messages" not in self.body:
+        if self.endpoint not in ("chat", "messages") or "messages" not in self.body:
             raise AttributeError("messages")
         return self.body["messages"]
 
     @property
     def prompt(self) -> Any:
-        if self.endpoint != "completion" or "prompt" not in self.body:
+        field = {"completion": "prompt", "responses": "input"}.get(self.endpoint)
+        if field is None or field not in self.body:
             raise AttributeError("prompt")
-        return self.body["prompt"]
+        return self.body[field]
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,16 @@ def test_auto_streams_with_the_official_client_and_serves_completions(app):
     assert completion.headers["x-shunter-tier"] == "large" and completion.parse().choices[0].text
 
 
+def test_the_agent_apis_route_by_tier_too(app):
+    """Responses and Messages requests to `auto` are classified on their input like a chat."""
+    simple = client(app).responses.with_raw_response.create(model="auto", input=SIMPLE, max_output_tokens=8)
+    assert simple.headers["x-shunter-tier"] == "small" and simple.parse().model == "smollm2-small"
+    code = httpx.post(f"{app}/v1/messages", timeout=120, json={
+        "model": "auto", "max_tokens": 8, "messages": [{"role": "user", "content": CODE}]})
+    assert code.status_code == 200 and code.headers["x-shunter-tier"] == "large", code.text
+    assert code.json()["model"] == "smollm2-large"
+
+
 def test_agreeing_answers_move_nothing(app):
     for _ in range(3):
         ask(app, SIMPLE)

@@ -19,6 +19,14 @@ def test_completion_request_exposes_prompt_only():
     assert not hasattr(request, "messages")
 
 
+def test_the_agent_apis_expose_their_conversation():
+    """Ray's prefix router cannot route a request with neither attribute: it would wait out the queue."""
+    messages = ReplicaRequest(endpoint="messages", body={"messages": MESSAGES, "max_tokens": 4})
+    assert messages.messages == MESSAGES and not hasattr(messages, "prompt")
+    responses = ReplicaRequest(endpoint="responses", body={"input": "once"})
+    assert responses.prompt == "once" and not hasattr(responses, "messages")
+
+
 def test_missing_fields_are_not_exposed():
     assert not hasattr(ReplicaRequest(endpoint="chat", body={}), "messages")
     assert not hasattr(ReplicaRequest(endpoint="completion", body={}), "prompt")
