@@ -11,7 +11,15 @@ import pytest
 
 from shunter.auth import key_id
 
-from .keyed_app import AGENTS, AGENTS_TOKENS_PER_MINUTE, EMBED_ONLY, FULL, MAX_PROMPT_TOKENS, MAX_TOKENS, TIMEOUT_S
+from .keyed_app import (
+    AGENTS,
+    AGENTS_TOKENS_PER_MINUTE,
+    EMBED_ONLY,
+    FULL,
+    MAX_PROMPT_TOKENS,
+    MAX_TOKENS,
+    TIMEOUT_S,
+)
 from .live import CHAT_MODEL, scrape_until
 
 pytestmark = pytest.mark.own_app
