@@ -3,8 +3,7 @@
 `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses` (OpenAI's Responses API)
 and `/v1/messages` (Anthropic's Messages API) go through the one forward pipeline
 (shunter.deployments.forward); `/v1/models` lists what the caller's key may use and what each model
-supports; `/health` says the
-process lives and `/ready` that every model has a replica that answers.
+supports; `/health` says the process lives and `/ready` that every model has a replica that answers.
 """
 
 from __future__ import annotations

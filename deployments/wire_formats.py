@@ -57,8 +57,17 @@ class StreamEvent:
 _NOTHING = StreamEvent()
 
 
+_TOKEN = StreamEvent(token=True)
+
+
 def read_event(endpoint: str, text: str) -> StreamEvent:
-    """One SSE event of a Responses or Messages stream (`event: <type>\\ndata: {...}\\n\\n`)."""
+    """One SSE event of a Responses or Messages stream (`event: <type>\\ndata: {...}\\n\\n`). A token
+    delta, nearly every event of a stream, is known by its `event:` line alone; only the few others
+    (usage, errors) are decoded."""
+    if text.startswith("event: "):
+        kind = text[len("event: "):text.find("\n")]
+        if kind == "content_block_delta" or (endpoint == "responses" and kind.endswith(".delta")):
+            return _TOKEN
     start = text.find("data: ")
     if start < 0:
         return _NOTHING

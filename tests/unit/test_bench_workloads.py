@@ -92,3 +92,21 @@ def test_load_config_rejects_ambiguous_runs():
     with pytest.raises(ValueError, match="endpoint"):
         LoadConfig(base_url="x", model="m", endpoint="embeddings", max_requests=1)
     assert LoadConfig(base_url="x", model="m", concurrency=None, rate=3.0, duration_s=5).rate == 3.0
+
+
+def test_the_load_generator_reads_every_apis_stream():
+    from shunter.bench.loadgen import _read_event
+    from shunter.bench.records import RequestRecord
+
+    record = RequestRecord(index=0, start_s=0.0, ok=False, status=None, prompt_tokens=0)
+    assert _read_event("messages", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "hi"}},
+                       record) == ("hi", False)
+    assert _read_event("messages", {"type": "message_delta", "usage": {"output_tokens": 7}}, record) == (None, False)
+    assert record.output_tokens == 7 and _read_event("messages", {"type": "message_stop"}, record) == (None, True)
+    assert _read_event("responses", {"type": "response.output_text.delta", "delta": "yo"}, record) == ("yo", False)
+    done = {"type": "response.completed", "response": {"usage": {"input_tokens": 5, "output_tokens": 3}}}
+    assert _read_event("responses", done, record) == (None, True) and record.output_tokens == 3
+    assert _read_event("chat", {"choices": [{"delta": {"content": "x"}}]}, record) == ("x", False)
+    for endpoint, error in (("responses", {"type": "error", "message": "m"}), ("chat", {"error": {"message": "m"}})):
+        with pytest.raises(ValueError):
+            _read_event(endpoint, error, record)

@@ -8,6 +8,10 @@ Each request streams (`stream: true`, `stream_options.include_usage`); TTFT is t
 content chunk, inter-token latencies are the gaps between content chunks, output tokens come from the
 server's usage (the chunk count when a server gives none). `ignore_eos` (a vLLM extension, on by
 default) makes output lengths follow the workload; turn it off for endpoints that reject it.
+
+Besides chat and completions, the agent APIs: `responses` (OpenAI's Responses API: typed events, the
+usage in `response.completed`) and `messages` (Anthropic's Messages API: typed events, the output tokens
+in `message_delta`; it has no `ignore_eos`, so answers may end early, alike for every server measured).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from shunter.bench.workloads import Session, Turn
 class LoadConfig:
     base_url: str  # up to and including /v1
     model: str
-    endpoint: str = "chat"  # chat | completions
+    endpoint: str = "chat"  # chat | completions | responses | messages
     concurrency: int | None = 8  # sessions in flight at once (fixed-concurrency mode)
     rate: float | None = None  # requests per second, Poisson arrivals (rate mode)
     max_requests: int | None = None
@@ -42,8 +46,8 @@ class LoadConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.endpoint not in ("chat", "completions"):
-            raise ValueError("endpoint must be 'chat' or 'completions'")
+        if self.endpoint not in _PATHS:
+            raise ValueError(f"endpoint must be one of {', '.join(_PATHS)}")
         if (self.concurrency is None) == (self.rate is None):
             raise ValueError("give exactly one of concurrency or rate")
         if self.concurrency is not None and self.concurrency < 1:
@@ -130,7 +134,13 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
     return records, wall
 
 
+_PATHS = {"chat": "/chat/completions", "completions": "/completions", "responses": "/responses",
+          "messages": "/messages"}
+
+
 def _payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, str]], turn: Turn) -> dict[str, Any]:
+    if cfg.endpoint in ("responses", "messages"):
+        return _agent_payload(cfg, session, history, turn)
     body: dict[str, Any] = {"model": cfg.model, "max_tokens": turn.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "temperature": 0}
     if cfg.ignore_eos:
@@ -148,10 +158,55 @@ def _payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, str]],
     return body
 
 
+def _agent_payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, str]], turn: Turn) -> dict[str, Any]:
+    """The same conversation as a Responses or a Messages request."""
+    messages = []
+    for past, answer in history:
+        messages += [{"role": "user", "content": past.text}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": turn.text})
+    body: dict[str, Any] = {"model": cfg.model, "stream": True, "temperature": 0}
+    if cfg.endpoint == "responses":
+        body.update(input=messages, max_output_tokens=turn.max_tokens)
+        if session.system:
+            body["instructions"] = session.system
+        if cfg.ignore_eos:
+            body["ignore_eos"] = True
+    else:
+        body.update(messages=messages, max_tokens=turn.max_tokens)
+        if session.system:
+            body["system"] = session.system
+    return body
+
+
+def _read_event(endpoint: str, event: dict[str, Any], record: RequestRecord) -> tuple[str | None, bool]:
+    """(the text this event adds, whether it ends the stream) for chat-completion chunks and the agent
+    APIs' typed events; usage goes into `record`. Raises ValueError for an error event."""
+    if endpoint in ("chat", "completions"):
+        if "error" in event:
+            raise ValueError(json.dumps(event))
+        if event.get("usage"):
+            record.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+            record.prompt_tokens = int(event["usage"].get("prompt_tokens") or record.prompt_tokens)
+        texts = [(c.get("delta") or {}).get("content") if endpoint == "chat" else c.get("text")
+                 for c in event.get("choices") or []]
+        return "".join(t for t in texts if t) or None, False
+    kind = event.get("type")
+    if kind == "error":
+        raise ValueError(json.dumps(event))
+    if kind in ("response.output_text.delta", "content_block_delta"):
+        delta = event.get("delta")
+        return (delta.get("text") if isinstance(delta, dict) else delta) or None, False
+    usage = (event.get("response") or {}).get("usage") if endpoint == "responses" else event.get("usage")
+    if isinstance(usage, dict) and usage.get("output_tokens"):
+        record.output_tokens = int(usage["output_tokens"])
+        record.prompt_tokens = int(usage.get("input_tokens") or record.prompt_tokens)
+    return None, kind in ("response.completed", "response.incomplete", "message_stop")
+
+
 async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Session,
                        history: list[tuple[Turn, str]], turn: Turn, index: int,
                        start: float) -> tuple[RequestRecord, str]:
-    path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
+    path = _PATHS[cfg.endpoint]
     sent = time.perf_counter()
     record = RequestRecord(index=index, start_s=sent - start, ok=False, status=None,
                            prompt_tokens=turn.prompt_tokens)
@@ -175,25 +230,24 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
                     done = True
                     break
                 event = json.loads(data)
-                if "error" in event:
+                try:
+                    text, done = _read_event(cfg.endpoint, event, record)
+                except ValueError:
                     record.error = f"error event: {_error_message(data)}"
                     return record, "".join(pieces)
-                if event.get("usage"):
-                    record.output_tokens = int(event["usage"].get("completion_tokens") or 0)
-                    record.prompt_tokens = int(event["usage"].get("prompt_tokens") or record.prompt_tokens)
-                for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if cfg.endpoint == "chat" else choice.get("text")
-                    if text:
-                        now = time.perf_counter()
-                        if last_chunk_at is None:
-                            record.ttft_s = now - sent
-                        else:
-                            record.itl_s.append(now - last_chunk_at)
-                        last_chunk_at = now
-                        pieces.append(text)
-                        chunks += 1
+                if text:
+                    now = time.perf_counter()
+                    if last_chunk_at is None:
+                        record.ttft_s = now - sent
+                    else:
+                        record.itl_s.append(now - last_chunk_at)
+                    last_chunk_at = now
+                    pieces.append(text)
+                    chunks += 1
+                if done:
+                    break
             if not done:
-                record.error = "stream ended without [DONE]"
+                record.error = "stream ended without its end event"
                 return record, "".join(pieces)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -206,6 +260,8 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
 
 def _error_message(body: str) -> str:
     try:
-        return str(json.loads(body)["error"]["message"])[:300]
-    except (ValueError, KeyError, TypeError):
+        error = json.loads(body)
+        error = error.get("error", error)  # OpenAI's and Anthropic's shapes; a Responses error event
+        return str(error["message"])[:300]
+    except (ValueError, KeyError, TypeError, AttributeError):
         return body[:300]

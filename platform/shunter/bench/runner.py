@@ -47,7 +47,7 @@ def run_parser() -> argparse.ArgumentParser:
                                 description="Measure an OpenAI-compatible endpoint with a seeded workload.")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="endpoint root, including /v1")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--endpoint", choices=["chat", "completions", "responses", "messages"], default="chat")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="model dir, hub id or builtin:NAME whose tokenizer measures lengths")
     p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")

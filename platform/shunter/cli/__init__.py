@@ -13,6 +13,7 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter bench run ...         measure an OpenAI-compatible endpoint with a seeded workload
     shunter bench compare A B ... result files side by side, with ratios and a plot
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
+    shunter bench agents ...      chat, Responses and Messages: Shunter against vLLM's own server
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
     shunter bench placement       how often a placement splits a TP stage across nodes (simulated cluster)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
@@ -31,7 +32,7 @@ from shunter.cli.render import DEFAULT_IMAGE
 
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
-BENCHMARKS = ("run", "compare", "overhead", "saturation", "routing", "placement", "tiers", "suite")
+BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "routing", "placement", "tiers", "suite")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
     bench.add_parser("overhead", help="Shunter vs vLLM alone, vLLM's server and Ray Serve LLM (its own options: --help)")
+    bench.add_parser("agents", help="chat, Responses and Messages through Shunter and vLLM's own server")
     bench.add_parser("saturation", help="a burst far past capacity: refusal latency, admitted TTFT, wall time")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
@@ -84,6 +86,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_saturation import main as saturation
 
         return saturation(argv)
+    if action == "agents":
+        from shunter.cli.bench_agents import main as agents
+
+        return agents(argv)
     if action == "tiers":
         from shunter.cli.bench_tiers import main as tiers
 

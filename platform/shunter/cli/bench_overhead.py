@@ -108,8 +108,9 @@ async def bench_vllm_alone(model_path: str, engine_cfg: Any, levels: list[int], 
 
 
 async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: list[int],
-                                max_tokens: int) -> list[RunResult]:
-    """An HTTP side, measured by `shunter bench`'s own load generator (the same client for every side)."""
+                                max_tokens: int, endpoint: str = "chat") -> list[RunResult]:
+    """An HTTP side, measured by `shunter bench`'s own load generator (the same client for every side);
+    `endpoint`: chat, or an agent API (responses, messages)."""
     from shunter.bench.cpu import CpuMeter
     from shunter.bench.loadgen import LoadConfig, run_load
     from shunter.bench.workloads import Session, Turn
@@ -117,8 +118,8 @@ async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: li
     sessions = [Session(i, [Turn(question, 0, max_tokens)]) for i, question in enumerate(QUESTIONS)]
 
     async def measure(label: str, concurrency: int, requests: int) -> RunResult:
-        cfg = LoadConfig(base_url=f"{base_url}/v1", model=model, concurrency=concurrency, max_requests=requests,
-                         progress=False)
+        cfg = LoadConfig(base_url=f"{base_url}/v1", model=model, endpoint=endpoint, concurrency=concurrency,
+                         max_requests=requests, progress=False)
         meter = CpuMeter()
         meter.start()
         records, wall = await run_load(sessions, cfg)
