@@ -85,7 +85,7 @@ class AccessControl:
     def __init__(self, cfg: ShunterConfig, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.limits: LimitsConfig = cfg.gateway.limits
-        self.ring = KeyRing.load(cfg.auth, lambda name: cfg.find_model(name).name, environ)  # type: ignore[union-attr]
+        self.ring = KeyRing.load(cfg.auth, lambda name: _canonical(cfg, name), environ)
         self._share = 1.0 / cfg.gateway.replicas
         self._clock = clock
         self._quotas: dict[str, KeyQuota] = {}
@@ -234,3 +234,14 @@ class AccessControl:
 
 # Statuses of a request that ended before the engine's final usage arrived.
 _CUT_SHORT = {"499", "stream_error"}
+
+
+def _canonical(cfg: ShunterConfig, name: str) -> str:
+    """A key's model entry as the name requests are checked against: a model's own name for it or an alias,
+    an adapter's own name for it or `<base>:<adapter>` (the config checked that each names something)."""
+    model = cfg.find_model(name)
+    if model is not None:
+        return model.name
+    found = cfg.find_adapter(name)
+    assert found is not None, name
+    return found[1].name

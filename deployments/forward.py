@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shunter.auth import Caller
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
+from shunter.config.adapters import AdapterConfig
 from shunter.deployments.access import AccessControl
 from shunter.deployments.api_app import error_response
 from shunter.deployments.parsed_request import ParsedRequest
@@ -77,11 +78,12 @@ class Forwarder:
         if self.tiering is not None and name == self.tiering.name:
             tier = self.tiering.classify(endpoint, body, request.headers, caller.may_use)
             name = tier.tier.model
-        model = self._resolve_model(name, caller)
-        self.access.check_model(caller, model.name)  # before saying anything more about the model
+        model, adapter = self._resolve_model(name, caller)
+        served = adapter.name if adapter is not None else model.name  # what the engine knows it by
+        self.access.check_model(caller, served)  # before saying anything more about the model
         check_serving(model, endpoint, parsed)
         self.access.check_limits(parsed)
-        body = {**body, "model": model.name}  # the engine knows the canonical name only
+        body = {**body, "model": served}  # the engine knows the canonical name only
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), parsed.usage_chunk,
                                log_prompt=self._prompt_for_logs(body), continuous_usage=parsed.continuous_usage)
         tel.choices_per_prompt = parsed.n
@@ -276,14 +278,18 @@ class Forwarder:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         raise AssertionError("no version to send to")  # forward never passes an empty list
 
-    def _resolve_model(self, name: str, caller: Caller) -> ModelConfig:
+    def _resolve_model(self, name: str, caller: Caller) -> tuple[ModelConfig, AdapterConfig | None]:
+        """The model `name` names, and the adapter when it names one of a model's LoRA adapters."""
         model = self.config.find_model(name)
-        if model is None:
-            visible = [m.name for m in self.config.models if caller.may_use(m.name)]
-            raise ApiError(404, f"model {name!r} does not exist; models this key may use: "
-                           f"{', '.join(visible) or 'none'} (GET /v1/models)", param="model",
-                           code="model_not_found")
-        return model
+        if model is not None:
+            return model, None
+        found = self.config.find_adapter(name)
+        if found is not None:
+            return found
+        visible = [m.name for m in self.config.models if caller.may_use(m.name)]
+        raise ApiError(404, f"model {name!r} does not exist; models this key may use: "
+                       f"{', '.join(visible) or 'none'} (GET /v1/models)", param="model",
+                       code="model_not_found")
 
 
 def check_serving(model: ModelConfig, endpoint: str, parsed: ParsedRequest) -> None:

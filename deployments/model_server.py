@@ -103,7 +103,8 @@ class ModelServer:
                 self._group = await engine_group(layout, f"{self.model.name}/{version}/{self.replica_id}")
             path = resolve_source(self.model.source, cache_dir, progress=False)
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
-                              self._group.placement_group if self._group else None, self.model.serving)
+                              self._group.placement_group if self._group else None, self.model.serving,
+                              tuple((a.name, a.source) for a in self.model.adapters))
             self.engine = await start(spec, env)
             if accelerator == "cpu":
                 yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made

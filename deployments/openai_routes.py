@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from shunter.config import ModelConfig
+from shunter.config.adapters import AdapterConfig
 from shunter.deployments.api_app import KEYED, RETRY_AFTER_S, error_response
 from shunter.deployments.gateway_parts import GatewayParts, Parts
 from shunter.deployments.openai_schema import (
@@ -85,6 +86,7 @@ async def list_models(request: Request, gw: Parts) -> dict[str, Any]:
     """The models the caller's key may use."""
     caller = gw.access.client(request.headers)
     cards = [_model_card(gw, m) for m in gw.config.models if caller.may_use(m.name)]
+    cards += [_adapter_card(gw, m, a) for m in gw.config.models for a in m.adapters if caller.may_use(a.name)]
     if gw.tiering and any(caller.may_use(t.model) for t in gw.tiering.router.tiers):
         cards.append(_tier_card(gw))
     return {"object": "list", "data": cards}
@@ -97,7 +99,11 @@ async def get_model(model_id: str, request: Request, gw: Parts) -> Response:
         return JSONResponse(_tier_card(gw))
     model = gw.config.find_model(model_id)
     if model is None:
-        return error_response(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        found = gw.config.find_adapter(model_id)
+        if found is None:
+            return error_response(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        gw.access.check_model(caller, found[1].name)
+        return JSONResponse(_adapter_card(gw, *found))
     gw.access.check_model(caller, model.name)
     return JSONResponse(_model_card(gw, model))
 
@@ -150,6 +156,13 @@ def _model_card(gw: GatewayParts, model: ModelConfig) -> dict[str, Any]:
     if model.versioned:
         card["versions"] = [{"name": v, "weight": w} for v, w in gw.traffic.view(model).weights]
     return card
+
+
+def _adapter_card(gw: GatewayParts, model: ModelConfig, adapter: AdapterConfig) -> dict[str, Any]:
+    """A LoRA adapter, listed as a model whose `parent` is its base (as vLLM's own server lists them)."""
+    return {"id": adapter.name, "object": "model", "created": gw.created, "owned_by": "shunter",
+            "parent": model.name, "aliases": [f"{model.name}:{adapter.name}"], "task": model.task,
+            "capabilities": capabilities(model)}
 
 
 def capabilities(model: ModelConfig) -> dict[str, Any]:

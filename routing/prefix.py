@@ -42,7 +42,15 @@ class PrefixKey:
 
 
 def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
-    """Canonical text of what the engine will see first, in order; "" when there is no prompt."""
+    """Canonical text of what the engine will see first, in order; "" when there is no prompt. It starts
+    with the `model` the engine is asked for: the same prompt under two LoRA adapters of one base model is
+    two prefixes (the engine's KV blocks are keyed by adapter too)."""
+    text = _render(endpoint, body)
+    model = body.get("model")
+    return f"<model>{model}\n{text}" if text and isinstance(model, str) else text
+
+
+def _render(endpoint: str, body: dict[str, Any]) -> str:
     if endpoint == "chat":
         parts = []
         for key in ("tools", "chat_template", "chat_template_kwargs"):  # rendered before the messages

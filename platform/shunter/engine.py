@@ -50,6 +50,7 @@ class EngineSpec:
     # in rank order; deployments/engine_placement.py). None: the engine needs no group.
     placement_group: Any = None
     serving: ServingConfig = field(default_factory=ServingConfig)  # the frontend options of vLLM's OpenAI handlers
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, directory) served on this engine
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
@@ -72,6 +73,9 @@ class EngineSpec:
         }
         if self.accelerator == "gpu":
             args["gpu_memory_utilization"] = e.gpu_memory_utilization
+        if self.adapters:
+            args.update(enable_lora=True, max_loras=e.max_loras, max_lora_rank=e.max_lora_rank,
+                        max_cpu_loras=e.max_cpu_loras)
         if e.tensor_parallel_size * e.pipeline_parallel_size > 1:
             # GPU: one Ray worker per device, in the replica's placement group (stages may be on other
             # nodes). CPU: worker processes on the replica's own cores.
@@ -93,6 +97,25 @@ class EngineReply:
     status: int
     body: dict[str, Any] | None = None
     stream: AsyncIterator[str] | None = None
+
+
+def _adapter_refusal(name: str, base: str, why: str) -> EngineReply:
+    """A 4xx, not a 5xx: the replica is healthy, the adapter is not (a 5xx would count against the
+    replica's breaker and fail the request over to replicas that cannot load it either)."""
+    return EngineReply(422, error_body(f"adapter {name!r} of model {base!r} cannot be loaded: {why}; an operator "
+                                       "must fix or remove it", 422, param="model", code="adapter_unavailable"))
+
+
+def _register_adapters(state: Any, adapters: tuple[tuple[str, str], ...], base: str) -> None:
+    """Make each adapter a model name vLLM's handlers accept, without loading it: vLLM's worker loads an
+    adapter the first time a request names it and keeps the most recently used (max_loras in the engine,
+    max_cpu_loras in host memory). vLLM's own `load_lora_adapter` would load every one now."""
+    from vllm.lora.request import LoRARequest
+
+    models = state.openai_serving_models
+    for name, path in adapters:
+        models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=models.lora_id_counter.inc(1),
+                                                 lora_path=path, base_model_name=base)
 
 
 async def _typed_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -205,6 +228,9 @@ class VLLMEngine:
         self._engine = engine
         self._state = state
         self.counters = counters or EngineCounters()
+        self._adapter_paths = dict(spec.adapters)
+        self._adapters_loaded: set[str] = set()  # adapters the engine has loaded once without failing
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
     async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> VLLMEngine:
@@ -254,7 +280,9 @@ class VLLMEngine:
         except BaseException:
             engine.shutdown()
             raise
-        log.info("engine for %s up: tasks=%s, model=%s", spec.served_name, tasks, spec.model_path)
+        _register_adapters(state, spec.adapters, spec.served_name)
+        log.info("engine for %s up: tasks=%s, model=%s, %d adapter(s)", spec.served_name, tasks, spec.model_path,
+                 len(spec.adapters))
         return cls(spec, engine, state, counters)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -316,6 +344,9 @@ class VLLMEngine:
         `dump`: how the reply body is serialised (each API as vLLM's own server sends it)."""
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
+        refusal = await self._adapter_ready(body.get("model"))
+        if refusal is not None:
+            return refusal
         try:
             request = _adapter(request_cls).validate_python(body)
             result = await handler(request, None)
@@ -329,6 +360,29 @@ class VLLMEngine:
         if reply.stream is not None and events is not None:
             reply.stream = events(reply.stream)
         return reply
+
+    async def _adapter_ready(self, name: Any) -> EngineReply | None:
+        """None when `name` is the base model or an adapter the engine can run; else a 422 naming what is
+        wrong with the adapter. An adapter whose files the engine fails to read inside a batch kills the
+        engine core (and with it every request of the replica): the first request for each adapter has
+        the engine load it first, as a separate call whose failure is reported, not fatal."""
+        path = self._adapter_paths.get(name) if isinstance(name, str) else None
+        if path is None:
+            return None
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            return _adapter_refusal(name, self.spec.served_name, f"its files are gone from {path}")
+        if name in self._adapters_loaded:
+            return None
+        async with self._adapter_locks.setdefault(name, asyncio.Lock()):
+            if name in self._adapters_loaded:
+                return None
+            try:
+                await self._engine.add_lora(self._state.openai_serving_models.lora_requests[name])
+            except Exception as exc:  # noqa: BLE001 - the engine's reason, reported to the caller
+                log.warning("adapter %s of %s could not be loaded: %s", name, self.spec.served_name, exc)
+                return _adapter_refusal(name, self.spec.served_name, f"{type(exc).__name__}: {exc}"[:300])
+            self._adapters_loaded.add(name)
+        return None
 
     def _to_reply(self, result: Any, dump: dict[str, Any] | None = None) -> EngineReply:
         from starlette.responses import Response

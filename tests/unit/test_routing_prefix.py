@@ -197,3 +197,10 @@ def test_empty_record_is_a_no_op():
     index = PrefixIndex()
     index.record("r", ())
     assert index.size("r") == 0
+
+
+def test_the_same_prompt_under_two_adapters_is_two_prefixes():
+    body = {"messages": [{"role": "user", "content": "hello " * 40}]}
+    a, b = (prefix_key(render_prompt("chat", {**body, "model": name}), 16) for name in ("adapter-a", "adapter-b"))
+    assert a.keys and set(a.keys).isdisjoint(b.keys)
+    assert render_prompt("chat", {**body, "model": "base"}).startswith("<model>base\n")

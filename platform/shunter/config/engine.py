@@ -28,6 +28,10 @@ _OWNED_ENGINE_ARGS = {
     "enforce_eager": "engine.enforce_eager",
     "seed": "engine.seed",
     "distributed_executor_backend": "(chosen by the platform from the accelerator)",
+    "enable_lora": "adapters",
+    "max_loras": "engine.max_loras",
+    "max_lora_rank": "engine.max_lora_rank",
+    "max_cpu_loras": "engine.max_cpu_loras",
 }
 
 
@@ -77,6 +81,19 @@ class EngineConfig(StrictModel):
         description="Disable CUDA graphs / torch.compile. null = eager on CPU (fast start), graphs on GPU.",
     )
     seed: int = Field(default=0, description="Engine seed; requests may still pass their own `seed`.")
+    max_loras: int = Field(
+        default=4, ge=1, le=256,
+        description="With `adapters`: LoRA adapters the engine runs at once (vLLM's max_loras); others wait in "
+        "host memory, least recently used evicted first.",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="With `adapters`: the largest LoRA rank an adapter may have.",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1,
+        description="With `adapters`: adapters kept loaded in host memory (vLLM's max_cpu_loras); null = "
+        "max_loras. Past it, the least recently used is dropped and loaded again when next asked for.",
+    )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Further vLLM engine arguments (AsyncEngineArgs fields), passed through after a "

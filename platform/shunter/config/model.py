@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shunter.catalog import BUILTIN_MODELS, BUILTIN_PREFIX
+from shunter.config.adapters import AdapterConfig
 from shunter.config.base import NAME_PATTERN, StrictModel
 from shunter.config.engine import EngineConfig
 from shunter.config.rollout import RolloutConfig, VersionConfig
@@ -99,6 +100,12 @@ class ModelConfig(StrictModel):
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
         description="vLLM engine settings (with `versions`: the defaults each version's `engine` refines).",
+    )
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list,
+        description="Generate models: LoRA adapters served on this model's replicas, each by its own name (or "
+        "`<model>:<adapter>`), loaded on first use (engine.max_loras, engine.max_lora_rank, "
+        "engine.max_cpu_loras).",
     )
     serving: ServingConfig = Field(
         default_factory=ServingConfig,
@@ -193,6 +200,29 @@ class ModelConfig(StrictModel):
             if len(parsers) == 1 and None not in parsers:
                 serving.tool_call_parser = parsers.pop()
         return self
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> ModelConfig:
+        if not self.adapters:
+            return self
+        if self.task == "embed":
+            raise ValueError("adapters: LoRA adapters serve generate models; an embed model takes none")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        for i, adapter in enumerate(self.adapters):
+            rank = adapter.rank()
+            for engine in [self.engine, *(v.engine for v in self.versions)]:
+                if rank is not None and rank > engine.max_lora_rank:
+                    raise ValueError(f"adapters[{i}] ({adapter.name}): rank {rank} is above engine.max_lora_rank "
+                                     f"{engine.max_lora_rank}; raise engine.max_lora_rank to at least {rank}")
+        return self
+
+    def find_adapter(self, name: str) -> AdapterConfig | None:
+        for adapter in self.adapters:
+            if adapter.name == name:
+                return adapter
+        return None
 
     @model_validator(mode="after")
     def _one_replica_count(self) -> ModelConfig:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from shunter.catalog import BUILTIN_PREFIX
+from shunter.config.adapters import AdapterConfig
 from shunter.config.auth import AuthConfig
 from shunter.config.base import StrictModel
 from shunter.config.cluster import ClusterConfig
@@ -51,14 +52,21 @@ class ShunterConfig(StrictModel):
                         "every name and alias must be unique"
                     )
                 seen[name] = model.name
+        for model in self.models:
+            for adapter in model.adapters:
+                if adapter.name in seen:
+                    raise ValueError(f"adapter {adapter.name!r} of model {model.name!r} has the name of "
+                                     f"{'model' if seen[adapter.name] == adapter.name else 'an alias of'} "
+                                     f"{seen[adapter.name]!r}; model, alias and adapter names must be unique")
+                seen[adapter.name] = f"{model.name}:{adapter.name}"
         if self.tiers is not None:
             self._check_tiers(self.tiers, seen)
         self._check_timeouts()
         for key in self.auth.keys:
-            unknown = [m for m in key.models if self.find_model(m) is None]
+            unknown = [m for m in key.models if self.find_model(m) is None and self.find_adapter(m) is None]
             if unknown:
-                raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models or aliases; "
-                                 f"served: {[m.name for m in self.models]}")
+                raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models, aliases or "
+                                 f"adapters; served: {[m.name for m in self.models]}")
         return self
 
     def _check_timeouts(self) -> None:
@@ -108,6 +116,18 @@ class ShunterConfig(StrictModel):
         for model in self.models:
             if name in model.names:
                 return model
+        return None
+
+    def find_adapter(self, name: str) -> tuple[ModelConfig, AdapterConfig] | None:
+        """The (base model, adapter) that `name` names: an adapter's own name, or `<base>:<adapter>` (the
+        base by its name or an alias)."""
+        base_name, colon, adapter_name = name.rpartition(":")
+        for model in self.models:
+            if colon and base_name not in model.names:
+                continue
+            adapter = model.find_adapter(adapter_name if colon else name)
+            if adapter is not None:
+                return model, adapter
         return None
 
 
