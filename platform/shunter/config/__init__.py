@@ -7,11 +7,12 @@ starts. Later features (versions, routing, autoscaling, breakers, drain) add opt
 defaults, so existing files stay valid.
 
 One module per section: `root` (ShunterConfig, parse_config), `model`, `engine`, `routing`,
-`scaling` (autoscaling, admission, draining), `serving` (tools, reasoning, chat template), `rollout` (versions, gates), `gateway` (limits), `auth`,
+`scaling` (autoscaling, admission, draining), `serving` (tools, reasoning, chat template), `adapters` (LoRA), `rollout` (versions, gates), `gateway` (limits), `auth`,
 `observability`, `cluster`, `tiers`; `explain` turns pydantic errors into readable lines. Import
 from `shunter.config`, which names them all.
 """
 
+from shunter.config.adapters import AdapterConfig
 from shunter.config.auth import ApiKeyConfig, AuthConfig, KeySourceConfig
 from shunter.config.base import NAME_PATTERN, VERSION_PATTERN, StrictModel
 from shunter.config.cluster import ClusterConfig, NodeGroupConfig
@@ -28,6 +29,7 @@ from shunter.config.serving import ServingConfig
 from shunter.config.tiers import TierConfig, TierMonitorConfig, TiersConfig
 
 __all__ = [
+    "AdapterConfig",
     "AdmissionConfig",
     "ApiKeyConfig",
     "AuthConfig",
