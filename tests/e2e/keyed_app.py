@@ -29,15 +29,8 @@ from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
 APP = "keys-e2e"
 FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key(), new_key()
 AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
-LEGAL_ONLY = new_key()  # tests/e2e/test_api_keys_lora.py
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
-       "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
-       "SHUNTER_TEST_KEY_LEGAL": LEGAL_ONLY}
-# LoRA adapters of the chat model (made at the app's start, tests/lora_adapters.py): more than the engine
-# runs at once (max_loras 1) and keeps in host memory (max_cpu_loras 2), and one whose weights are corrupt.
-ADAPTERS = ("legal", "medical", "finance")
-BROKEN_ADAPTER = "broken"
-ADAPTER_DIRS: dict[str, str] = {}  # filled when the app starts: the reference answers are computed from them
+       "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
@@ -46,13 +39,12 @@ GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 
 
-def args(admin_key_file: Path, adapters: dict[str, str]) -> dict[str, Any]:
+def args(admin_key_file: Path) -> dict[str, Any]:
     engine = {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1}
     return {
         "models": [
             {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
-             "engine": {**engine, "max_loras": 1, "max_cpu_loras": 2, "max_lora_rank": 8},
-             "adapters": [{"name": name, "source": path} for name, path in adapters.items()]},
+             "engine": engine},
             {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
              "engine": {**engine, "max_model_len": 256}},
         ],
@@ -71,8 +63,7 @@ def args(admin_key_file: Path, adapters: dict[str, str]) -> dict[str, Any]:
                       "requests_per_minute": PACED_REQUESTS_PER_MINUTE},
                      {"name": "agents", "key_env": "SHUNTER_TEST_KEY_AGENTS",
                       "tokens_per_minute": AGENTS_TOKENS_PER_MINUTE},
-                     {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]},
-                     {"name": "legal-only", "key_env": "SHUNTER_TEST_KEY_LEGAL", "models": [f"{CHAT_MODEL}:legal"]}],
+                     {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }
@@ -87,20 +78,6 @@ def keyed_app(secrets: Path) -> Iterator[str]:
     # cluster starts.
     missing = [name for name, value in ENV.items() if os.environ.get(name) != value]
     assert not missing, f"set before the cluster starts (tests/e2e/conftest.py): {missing}"
-    with local_app(args(key_file, make_adapters(secrets)), APP, keep_cluster=True) as base:
+    with local_app(args(key_file), APP, keep_cluster=True) as base:
         wait_ready(base)
         yield base
-
-
-def make_adapters(folder: Path) -> dict[str, str]:
-    """The chat model's adapters, by name: seeded (the same weights every run), and a broken one whose
-    weights file is garbage (its adapter_config.json is fine, so the config accepts it)."""
-    from shunter.catalog import resolve_source
-    from tests.lora_adapters import make_adapter
-
-    base = resolve_source("builtin:smollm2-135m-instruct", progress=False)
-    made = {name: make_adapter(base, folder / name, seed=seed) for seed, name in enumerate(ADAPTERS, start=1)}
-    broken = make_adapter(base, folder / BROKEN_ADAPTER, seed=99)
-    (Path(broken) / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    ADAPTER_DIRS.update(made)
-    return {**made, BROKEN_ADAPTER: broken}
