@@ -55,9 +55,14 @@ class StreamEvent:
 
 
 _NOTHING = StreamEvent()
-
-
 _TOKEN = StreamEvent(token=True)
+# Anthropic counts cached prompt tokens apart from `input_tokens`; the engine computed them all the same.
+_CACHED_PROMPT = ("cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def _is_delta(endpoint: str, kind: str) -> bool:
+    """A token delta: Messages' content deltas; Responses' text, reasoning and tool-argument deltas."""
+    return kind == "content_block_delta" or (endpoint == "responses" and kind.endswith(".delta"))
 
 
 def read_event(endpoint: str, text: str) -> StreamEvent:
@@ -65,8 +70,7 @@ def read_event(endpoint: str, text: str) -> StreamEvent:
     delta, nearly every event of a stream, is known by its `event:` line alone; only the few others
     (usage, errors) are decoded."""
     if text.startswith("event: "):
-        kind = text[len("event: "):text.find("\n")]
-        if kind == "content_block_delta" or (endpoint == "responses" and kind.endswith(".delta")):
+        if _is_delta(endpoint, text[len("event: "):text.find("\n")]):
             return _TOKEN
     start = text.find("data: ")
     if start < 0:
@@ -85,21 +89,16 @@ def read_event(endpoint: str, text: str) -> StreamEvent:
         error = error if isinstance(error, dict) else {}
         code = error.get("code")
         return StreamEvent(error={"message": error.get("message"), "code": code if code is not None else 500})
-    if endpoint == "responses":
-        if kind.endswith(".delta"):  # text, reasoning, a tool call's arguments
-            return StreamEvent(token=True)
-        if kind in ("response.completed", "response.incomplete", "response.failed"):
-            response = data.get("response")
-            usage = response.get("usage") if isinstance(response, dict) else None
-            return _usage(usage, "input_tokens", "output_tokens")
-        return _NOTHING
-    if kind == "content_block_delta":
-        return StreamEvent(token=True)
-    if kind == "message_start":
+    if _is_delta(endpoint, kind):  # an event without an `event:` line
+        return _TOKEN
+    if endpoint == "responses" and kind in ("response.completed", "response.incomplete", "response.failed"):
+        response = data.get("response")
+        return _usage(response.get("usage") if isinstance(response, dict) else None)
+    if endpoint == "messages" and kind == "message_start":  # the prompt; output_tokens is 0 here
         message = data.get("message")
-        return _usage(message.get("usage") if isinstance(message, dict) else None, "input_tokens", None)
-    if kind == "message_delta":
-        return _usage(data.get("usage"), "input_tokens", "output_tokens")
+        return _usage(message.get("usage") if isinstance(message, dict) else None, completion=False)
+    if endpoint == "messages" and kind == "message_delta":
+        return _usage(data.get("usage"))
     return _NOTHING
 
 
@@ -110,21 +109,21 @@ def whole_usage(body: Any) -> tuple[int, int] | None:
         return None
     if "prompt_tokens" in usage or "completion_tokens" in usage:
         return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-    # Anthropic counts cached prompt tokens apart from `input_tokens`; the engine computed them all the same.
-    prompt = sum(int(usage.get(k) or 0) for k in ("input_tokens", "cache_read_input_tokens",
-                                                  "cache_creation_input_tokens"))
-    return prompt, int(usage.get("output_tokens") or 0)
+    return _prompt_tokens(usage) or 0, _count(usage.get("output_tokens")) or 0
 
 
-def _usage(usage: Any, prompt_key: str | None, completion_key: str | None) -> StreamEvent:
+def _usage(usage: Any, completion: bool = True) -> StreamEvent:
+    """A typed event's `usage` (Responses' and Anthropic's names); `completion`: it counts the output."""
     if not isinstance(usage, dict):
         return _NOTHING
+    return StreamEvent(prompt_tokens=_prompt_tokens(usage),
+                       completion_tokens=_count(usage.get("output_tokens")) if completion else None)
 
-    def count(key: str | None) -> int | None:
-        value = usage.get(key) if key else None
-        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
-    prompt = count(prompt_key)
-    if prompt is not None and prompt_key == "input_tokens":
-        prompt += sum(int(usage.get(k) or 0) for k in ("cache_read_input_tokens", "cache_creation_input_tokens"))
-    return StreamEvent(prompt_tokens=prompt, completion_tokens=count(completion_key))
+def _prompt_tokens(usage: dict[str, Any]) -> int | None:
+    prompt = _count(usage.get("input_tokens"))
+    return None if prompt is None else prompt + sum(_count(usage.get(k)) or 0 for k in _CACHED_PROMPT)
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -356,7 +356,7 @@ class VLLMEngine:
             # Request validators raise VLLMValidationError, which pydantic does not wrap; vLLM's own
             # mapping turns it (and every other client error) into a 4xx with its parameter.
             result = create_error_response(exc)
-        reply = self._to_reply(result, dump or {"exclude_none": False})
+        reply = self._to_reply(result, dump)
         if reply.stream is not None and events is not None:
             reply.stream = events(reply.stream)
         return reply
@@ -385,6 +385,7 @@ class VLLMEngine:
         return None
 
     def _to_reply(self, result: Any, dump: dict[str, Any] | None = None) -> EngineReply:
+        """`dump`: model_dump's options for a whole reply (chat's and completions': every field, nulls too)."""
         from starlette.responses import Response
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 

@@ -101,7 +101,7 @@ def test_tool_definitions_count_toward_the_prompt(live_app):
     assert with_tools.usage.prompt_tokens > bare.usage.prompt_tokens + 50
 
 
-def test_tools_sent_to_an_embedding_model_get_a_400_naming_the_endpoint(live_app):
+def test_the_agent_apis_refuse_an_embedding_model_naming_the_problem(live_app):
     resp = httpx.post(f"{live_app.v1}/responses", timeout=60, json={"model": EMBED_MODEL, "input": "hi"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_supported", resp.text
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from shunter.config.base import StrictModel
+from shunter.config.base import StrictModel, closest
 
 # Engine arguments Shunter sets itself, from fields of EngineConfig or from the platform's placement
 # decisions. Passing them through `extra_engine_args` would bypass validation or fight the platform.
@@ -122,8 +121,8 @@ class EngineConfig(StrictModel):
         if known:
             for key in value:
                 if key not in known:
-                    hint = difflib.get_close_matches(key, sorted(known), n=1)
-                    fix = f"; did you mean {hint[0]!r}?" if hint else ""
+                    hint = closest(key, known)
+                    fix = f"; did you mean {hint!r}?" if hint else ""
                     raise ValueError(f"{key!r} is not a vLLM engine argument{fix}")
         return value
 

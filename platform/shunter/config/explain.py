@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from shunter.config.base import closest
 
 
 def format_config_error(exc: ValidationError, root: type[BaseModel]) -> str:
@@ -17,8 +18,8 @@ def format_config_error(exc: ValidationError, root: type[BaseModel]) -> str:
         if kind == "extra_forbidden":
             allowed = _allowed_keys(root, err["loc"][:-1])
             key = str(err["loc"][-1])
-            hint = difflib.get_close_matches(key, allowed, n=1)
-            fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys here: {', '.join(allowed)}"
+            hint = closest(key, allowed)
+            fix = f"did you mean {hint!r}?" if hint else f"allowed keys here: {', '.join(allowed)}"
             lines.append(f"  {loc}: unknown key; {fix}")
         elif kind == "missing":
             lines.append(f"  {loc}: required field is missing")

@@ -3,31 +3,19 @@ reasoning, its chat template), checked against the installed vLLM before anythin
 
 These are not engine arguments (`AsyncEngineArgs`), so `engine.extra_engine_args` cannot reach them: vLLM
 reads them from its server's command line (`FrontendArgs`) when it builds its OpenAI handlers, and the
-replica builds those handlers the same way (`shunter.engine`). Each field here names the vLLM argument it
-sets; `test_serving_options` checks that vLLM still defines every one of them.
+replica builds those handlers the same way (`shunter.engine`). Each field is named as the vLLM argument
+it sets; `test_serving_options` checks that vLLM still defines every one of them.
 """
 
 from __future__ import annotations
 
-import difflib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from shunter.config.base import StrictModel
-
-# Our field -> vLLM's argument (a FrontendArgs field, or for reasoning_parser an AsyncEngineArgs one).
-VLLM_ARGUMENTS = {
-    "tool_call_parser": "tool_call_parser",
-    "enable_auto_tool_choice": "enable_auto_tool_choice",
-    "tool_strict_level": "tool_strict_level",
-    "reasoning_parser": "reasoning_parser",
-    "chat_template": "chat_template",
-    "response_role": "response_role",
-    "default_chat_template_kwargs": "default_chat_template_kwargs",
-}
+from shunter.config.base import StrictModel, closest
 
 
 class ServingConfig(StrictModel):
@@ -72,15 +60,16 @@ class ServingConfig(StrictModel):
         "the request sets its own (e.g. {enable_thinking: false} for Qwen3).",
     )
 
-    @field_validator("tool_call_parser")
+    @field_validator("tool_call_parser", "reasoning_parser")
     @classmethod
-    def _tool_parser_known(cls, value: str | None) -> str | None:
-        return _known(value, _vllm_tool_parsers(), "tool call parser")
-
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _reasoning_parser_known(cls, value: str | None) -> str | None:
-        return _known(value, _vllm_reasoning_parsers(), "reasoning parser")
+    def _parser_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A parser vLLM has registered (not checked where vLLM is not installed: the replica checks)."""
+        known = _vllm_tool_parsers() if info.field_name == "tool_call_parser" else _vllm_reasoning_parsers()
+        if value is None or not known or value in known:
+            return value
+        hint = closest(value, known)
+        fix = f"did you mean {hint!r}? " if hint else ""
+        raise ValueError(f"unknown {info.field_name.replace('_', ' ')} {value!r}; {fix}vLLM knows: {', '.join(sorted(known))}")
 
     @field_validator("chat_template")
     @classmethod
@@ -130,14 +119,6 @@ class ServingConfig(StrictModel):
             "response_role": self.response_role,
             "default_chat_template_kwargs": dict(self.default_chat_template_kwargs) or None,
         }
-
-
-def _known(value: str | None, known: frozenset[str], what: str) -> str | None:
-    if value is None or not known or value in known:
-        return value
-    hint = difflib.get_close_matches(value, sorted(known), n=1)
-    fix = f"did you mean {hint[0]!r}? " if hint else ""
-    raise ValueError(f"unknown {what} {value!r}; {fix}vLLM knows: {', '.join(sorted(known))}")
 
 
 @lru_cache(maxsize=1)
