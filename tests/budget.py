@@ -7,8 +7,8 @@ where the time went, the day it happens, not the day CI runs out of time. Budget
 setup, call and teardown, so a module's shared app start is charged to it.
 
 Timings vary ~30% run to run on these machines; module shares leave that much room over what was
-measured. A tier's share is what it measured on 2026-11-26 (2 cores: unit 19 s, integration 526 s,
-e2e 1032 s, 26.4 minutes in all) plus about 12-14% (the unit tier, seconds long, gets twice its time);
+measured. A tier's share is what it measured on CI on 2026-11-26 (2 cores: unit 38 s, integration
+619 s, e2e 1127 s less the 90 s test_parallel gave up that day) plus what is left of the 30 minutes;
 together the shares are the 30 minutes. A tier past its share fails the run: that is the day to make
 room (share an app, drop a boot), not the day CI times out.
 """
@@ -26,14 +26,14 @@ TEST_TIMEOUT_S = {"unit": 60, "integration": 420, "e2e": 600}
 
 # The whole suite's wall time must stay under CI_LIMIT_S; each tier has a share of it.
 CI_LIMIT_S = 30 * 60
-TIER_BUDGET_S = {"unit": 40, "integration": 600, "e2e": 1160}
+TIER_BUDGET_S = {"unit": 40, "integration": 660, "e2e": 1100}
 
 # Per module: the default share by tier, and modules that measurably need more (with why).
 MODULE_BUDGET_S = {"unit": 40, "integration": 150, "e2e": 150}
 MODULE_OVERRIDES_S = {
     "tests/integration/test_rollouts.py": 360,  # rollouts under load, one killed mid-way; CLI, weights, drains
     "tests/e2e/test_autoscaling.py": 300,  # a real engine scaled 1 -> 2 -> 1 and from zero
-    "tests/e2e/test_parallel.py": 240,  # TP=2 and PP=2 engines beside a one-rank one
+    "tests/e2e/test_parallel.py": 180,  # a TP=2 engine, then a PP=2 one (compiled)
     "tests/e2e/test_rollouts.py": 240,  # a real second version started, promoted, then a bad one
     "tests/e2e/test_prefix_routing.py": 180,
     "tests/e2e/test_observability.py": 180,

@@ -6,6 +6,7 @@ Ray cluster with Serve on a free port, apps deployed on it and waited for, every
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import time
@@ -21,8 +22,30 @@ MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 LOCAL_MIN_DRAINING_S = 2  # one machine, HAProxy reloaded within 0.1 s: no outside balancer to wait for
 
 
+# Ray's worker processes listen on ports 10002-19999 (`ray start --min/max-worker-port` defaults).
+_RAY_WORKER_PORTS_END = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, and that nothing else on this machine will draw before its user
+    binds it, seconds later. A port from bind(0) comes from the kernel's ephemeral range, where every
+    outgoing connection and each of a starting Ray cluster's own bind(0) calls draw theirs: CI once
+    saw a cluster's HAProxy fail to start, its metrics port taken in between. So the port is drawn at
+    random between Ray's worker ports and the ephemeral range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_start = 32768  # Linux's default
+    for _ in range(100 if ephemeral_start - _RAY_WORKER_PORTS_END > 100 else 0):
+        port = random.randrange(_RAY_WORKER_PORTS_END, ephemeral_start)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # noqa: S104 - a probe, closed at once; HAProxy binds every address
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room outside the ephemeral range on this machine
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -37,10 +37,11 @@ PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
 AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
+ENGINE_SEQS = 16  # each engine's max_num_seqs
 
 
 def args(admin_key_file: Path) -> dict[str, Any]:
-    engine = {"max_model_len": 1024, "max_num_seqs": 16, "cpu_kv_cache_gib": 1}
+    engine = {"max_model_len": 1024, "max_num_seqs": ENGINE_SEQS, "cpu_kv_cache_gib": 1}
     return {
         "models": [
             {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",

@@ -27,6 +27,7 @@ from .keyed_app import (
     BUDGET,
     BUDGET_TOKENS_PER_MINUTE,
     CHAT_ONLY,
+    ENGINE_SEQS,
     FULL,
     GATEWAY_SLOTS,
     GATEWAYS,
@@ -183,7 +184,8 @@ def _settled_count(url: str, **labels: str) -> float:
 def test_whole_requests_whose_client_hangs_up_are_each_settled_once(app):
     """Clients that give up on whole (not streamed) replies while they queue at the engine: Serve cancels
     the gateway's handler, and each request still settles its quota and telemetry once, as 499, with
-    nothing left in flight. The ones that finished in time are settled at their own status."""
+    nothing left in flight. One the engine finished as its client left is settled as the 200 it was (CI
+    saw 23 of 24); only the engine's first batch can race like that."""
     import concurrent.futures
 
     from tests.integration.local_app import kept_metrics_url
@@ -192,6 +194,7 @@ def test_whole_requests_whose_client_hangs_up_are_each_settled_once(app):
 
     url = kept_metrics_url()
     before, hung_before = _settled_count(url, key_name="full"), _settled_count(url, key_name="full", status="499")
+    finished_before = _settled_count(url, key_name="full", status="200")
     body = chat_body(max_tokens=MAX_TOKENS, n=MAX_N, temperature=1.0, seed=1,
                      messages=[{"role": "user", "content": "word " * 150}])
 
@@ -211,7 +214,12 @@ def test_whole_requests_whose_client_hangs_up_are_each_settled_once(app):
     while _settled_count(url, key_name="full") < before + sent and time.monotonic() < deadline:
         time.sleep(1)
     assert _settled_count(url, key_name="full") == before + sent, "each request settled exactly once"
-    assert _settled_count(url, key_name="full", status="499") == hung_before + hung, "each hang-up as a 499"
+    hung_up = _settled_count(url, key_name="full", status="499") - hung_before
+    finished = _settled_count(url, key_name="full", status="200") - finished_before
+    assert hung_up + finished == sent, "a hang-up settles as 499, or as 200 where the reply was whole first"
+    # The race is only for requests the engine was already running when their clients left: at most
+    # max_num_seqs / n of them. Every one still queued must be a 499.
+    assert finished >= outcomes.count("200") and hung_up >= hung - ENGINE_SEQS // MAX_N, outcomes
     text = httpx.get(url, timeout=10).text
     assert metric_total(text, "ray_shunter_requests_in_flight", model=CHAT_MODEL) == 0
 
