@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shunter.auth import ANONYMOUS, Caller, KeyRing, bearer_token
+from shunter.auth import ALL_ADAPTERS, ANONYMOUS, Caller, KeyRing, bearer_token
 from shunter.config import LimitsConfig, ShunterConfig
 from shunter.deployments.parsed_request import CONVERSATION_FIELD, MAX_TOKENS_FIELD, ParsedRequest
 from shunter.errors import ApiError
@@ -155,8 +155,9 @@ class AccessControl:
 
     # ---- what it may use ---------------------------------------------------------------------------
 
-    def check_model(self, caller: Caller, model: str) -> None:
-        if not caller.may_use(model):
+    def check_model(self, caller: Caller, model: str, base: str | None = None) -> None:
+        """403 unless the caller may use `model` (a LoRA adapter of `base`, when `base` is given)."""
+        if not caller.may_use(model, base):
             _auth_failure("model_not_allowed")
             raise ApiError(403, f"this API key ({caller.name}) may not use model {model!r}", param="model",
                            code="model_not_allowed")
@@ -238,10 +239,15 @@ _CUT_SHORT = {"499", "stream_error"}
 
 def _canonical(cfg: ShunterConfig, name: str) -> str:
     """A key's model entry as the name requests are checked against: a model's own name for it or an alias,
-    an adapter's own name for it or `<base>:<adapter>` (the config checked that each names something)."""
+    an adapter's own name for it or `<base>:<adapter>`, `<base>:*` for every adapter of a base (the
+    config checked that each names something)."""
     model = cfg.find_model(name)
     if model is not None:
         return model.name
+    if name.endswith(ALL_ADAPTERS):
+        base = cfg.find_model(name[:-len(ALL_ADAPTERS)])
+        assert base is not None, name
+        return f"{base.name}{ALL_ADAPTERS}"
     found = cfg.find_adapter(name)
     assert found is not None, name
     return found[1].name

@@ -1,4 +1,5 @@
-"""The admin API: rollouts and live weights, tier routing's state, and an operator's replica drains.
+"""The admin API: rollouts and live weights, tier routing's state, and an operator's replica drains (LoRA
+adapters: `adapter_routes`).
 
 Every route needs an admin key when keys are configured (403 otherwise), and reads its body, when it
 has one, through the same JSON door as the OpenAI routes (a cross-site form can never reach it). Rollout
@@ -102,7 +103,7 @@ async def list_replicas(model_id: str, request: Request, gw: Parts) -> Response:
     """The model's running replicas as this gateway routes to them: version, cordoned, requests it has
     in flight there, breaker state."""
     gw.access.admin(request.headers)
-    model = _admin_model(gw, model_id)
+    model = admin_model(gw, model_id)
     gw.traffic.ensure_started()
     await gw.traffic.refresh_now()
     return JSONResponse({"model": model.name, "replicas": await gw.replicas.replicas(model)})
@@ -117,7 +118,7 @@ async def drain_replica(model_id: str, replica_id: str, request: Request,
     model has a rollout in progress."""
     gw.access.admin(request.headers)
     body = parse_body(DrainBody, await gw.body.read_json(request, optional=True))
-    model = _admin_model(gw, model_id)
+    model = admin_model(gw, model_id)
     within_s = body.timeout_s if body.timeout_s is not None else model.draining.timeout_s
     gw.traffic.ensure_started()
     answer = await gw.replicas.drain(model, replica_id, body.replace, float(within_s), body.force)
@@ -129,11 +130,11 @@ async def release_replica(model_id: str, replica_id: str, request: Request,
                           gw: Parts) -> Response:
     """Undo a drain: the replica takes new requests again and, if it was to retire, stays."""
     gw.access.admin(request.headers)
-    model = _admin_model(gw, model_id)
+    model = admin_model(gw, model_id)
     return JSONResponse(await gw.replicas.release(model, replica_id))
 
 
-def _admin_model(gw: GatewayParts, model_id: str) -> ModelConfig:
+def admin_model(gw: GatewayParts, model_id: str) -> ModelConfig:
     model = gw.config.find_model(model_id)
     if model is None:
         raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -141,7 +142,6 @@ def _admin_model(gw: GatewayParts, model_id: str) -> ModelConfig:
 
 
 async def _control_call(gw: GatewayParts, model_id: str, action: str, **kwargs: Any) -> Response:
-    from shunter.ops.control import RolloutRefused
 
     model = gw.config.find_model(model_id)
     if model is None:
@@ -164,17 +164,28 @@ async def _control_call(gw: GatewayParts, model_id: str, action: str, **kwargs: 
         call = actor.rollback.remote(model.name)
     else:
         call = getattr(actor, action).remote(model.name)
+    refused = await control_call(call, f"model {model.name}: rollout {action}", param="model")
+    if refused is not None:
+        return refused
+    await gw.traffic.refresh_now()
+    return JSONResponse(_rollout_status(gw, model), status_code=202 if action == "start" else 200)
+
+
+async def control_call(call: Any, what: str, param: str) -> Response | None:
+    """Await a call to the control actor: None once it went through; else the actor's refusal (409) or the
+    answer to its absence (503: it is restarting or unreachable, retry)."""
+    from shunter.ops.control import RolloutRefused
+
     try:
         await call
     except RolloutRefused as exc:  # raised in the actor; Ray re-raises it here as that class
         cause = getattr(exc, "cause", None) or exc
-        return error_response(409, str(cause), param="model", code="rollout_refused")
+        return error_response(409, str(cause), param=param, code="rollout_refused")
     except Exception as exc:  # noqa: BLE001 - the control actor is restarting or unreachable
-        log.warning("model %s: rollout %s failed: %r", model.name, action, exc)
+        log.warning("%s failed: %r", what, exc)
         return error_response(503, f"the rollout controller did not answer ({type(exc).__name__}); retry shortly",
                               code="control_unavailable", headers={"Retry-After": RETRY_AFTER_S})
-    await gw.traffic.refresh_now()
-    return JSONResponse(_rollout_status(gw, model), status_code=202 if action == "start" else 200)
+    return None
 
 
 def _rollout_status(gw: GatewayParts, model: ModelConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
+from shunter.config.adapters import AdapterConfig
 from shunter.errors import ApiError, validation_error_body
 
 MAX_WEIGHT = 1_000_000.0
@@ -49,6 +50,14 @@ class DrainBody(_AdminBody):
         description="Retire at the latest after this many seconds (default: the model's draining.timeout_s).")
 
 
+class AdapterBody(AdapterConfig):
+    """POST /admin/models/{model}/adapters: a LoRA adapter to serve (or new files for one served), checked
+    as the config file's `adapters:` entries are (a name without `:`, a directory with adapter_config.json
+    on every node that runs the model)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
 class RolloutStartBody(BaseModel):
     """POST /admin/rollouts/{model}: the version to roll out to, plus any of the model's `rollout` settings
     for this rollout only (checked as the config file's `rollout:` section is)."""
@@ -56,6 +65,15 @@ class RolloutStartBody(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     to: str = Field(min_length=1, max_length=200, description="The version to roll out to.")
+
+
+class AdapterRolloutBody(BaseModel):
+    """POST /admin/models/{model}/adapters/{adapter}/rollout: the adapter's new files, plus any of the
+    model's `rollout` settings for this rollout only."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    source: str = Field(min_length=1, max_length=4096, description="The new version's adapter directory.")
 
 
 def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -66,4 +84,5 @@ def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise ApiError.from_body(400, validation_error_body(exc)) from None
 
 
-ADMIN_BODIES: tuple[type[BaseModel], ...] = (WeightsBody, DrainBody, RolloutStartBody)
+ADMIN_BODIES: tuple[type[BaseModel], ...] = (WeightsBody, DrainBody, RolloutStartBody, AdapterBody,
+                                             AdapterRolloutBody)

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shunter.auth import Caller
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
-from shunter.config.adapters import AdapterConfig
 from shunter.deployments.access import AccessControl
+from shunter.deployments.adapters import Adapter, LiveAdapters, rollout_key
 from shunter.deployments.api_app import error_response
 from shunter.deployments.parsed_request import ParsedRequest
 from shunter.deployments.relay import relay
@@ -58,8 +58,9 @@ SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the sam
 
 class Forwarder:
     def __init__(self, config: ShunterConfig, access: AccessControl, body: BodyReader, state: ServingState,
-                 traffic: LiveVersions, tiering: Tiering | None):
+                 traffic: LiveVersions, tiering: Tiering | None, adapters: LiveAdapters):
         self.config, self.access, self.body, self.state = config, access, body, state
+        self.adapters = adapters
         self.traffic, self.tiering = traffic, tiering
         self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s,
                                   GatewayChannels() if config.gateway.token_channel else None)
@@ -80,13 +81,18 @@ class Forwarder:
             name = tier.tier.model
         model, adapter = self._resolve_model(name, caller)
         served = adapter.name if adapter is not None else model.name  # what the engine knows it by
-        self.access.check_model(caller, served)  # before saying anything more about the model
+        # Before saying anything more about the model.
+        self.access.check_model(caller, served, base=model.name if adapter is not None else None)
         check_serving(model, endpoint, parsed)
         self.access.check_limits(parsed)
-        body = {**body, "model": served}  # the engine knows the canonical name only
+        route = self.adapters.route(adapter, _session(request, body)) if adapter is not None else None
+        # The engine knows the canonical name only (an adapter's version under rollout, its own).
+        body = {**body, "model": route.engine_name if route is not None else served}
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), parsed.usage_chunk,
                                log_prompt=self._prompt_for_logs(body), continuous_usage=parsed.continuous_usage)
         tel.choices_per_prompt = parsed.n
+        if route is not None:
+            tel.use_adapter(route)
         end = RequestEnd(tel)
         response: Response | None = None
         try:
@@ -226,10 +232,7 @@ class Forwarder:
             chosen, others = DEFAULT_VERSION, []
         else:
             view = self.traffic.view(model)
-            user = body.get("user")
-            header = request.headers.get(SESSION_HEADER) if request is not None else None
-            session = header or (user if isinstance(user, str) and user else None)
-            chosen = choose_version(model.name, view.weights, session)
+            chosen = choose_version(model.name, view.weights, _session(request, body))
             others = [v for v, w in view.weights if w > 0 and v != chosen]
         ordered = [chosen, *others]
         if not skip_unavailable:
@@ -245,7 +248,7 @@ class Forwarder:
             try:
                 started = await self.calls.start(model, version, routing, endpoint, body, tel, limits)
             except VersionFailed as failed:
-                self.traffic.record(model, version, False, None, None)
+                self._record(model, version, tel, False, None, None)
                 if i + 1 < len(versions):
                     log.warning("model %s request %s: version %s could not take it (%s); trying version %s",
                                 model.name, tel.request_id, version, failed.response.status_code, versions[i + 1])
@@ -261,13 +264,13 @@ class Forwarder:
 
                 def whole(ok: bool, version: str = version, ttft: float = first_byte_s, status: int = status) -> None:
                     if status < 400:  # a client error says nothing about the version
-                        self.traffic.record(model, version, ok, None, ttft)
+                        self._record(model, version, tel, ok, None, ttft)
 
                 end.attach(started.stream, started.replica, started.routing_id, routing, outcome=whole)
                 return JSONResponse(started.head["body"], status_code=status, headers=headers)
 
             def streamed(ok: bool, version: str = version, ttft: float = first_byte_s) -> None:
-                self.traffic.record(model, version, ok, ttft, time.monotonic() - began)
+                self._record(model, version, tel, ok, ttft, time.monotonic() - began)
 
             if started.first_chunk is not None:  # timed on arrival, not when the relay sends it
                 started.first_chunk = tel.chunk(started.first_chunk)
@@ -278,14 +281,22 @@ class Forwarder:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         raise AssertionError("no version to send to")  # forward never passes an empty list
 
-    def _resolve_model(self, name: str, caller: Caller) -> tuple[ModelConfig, AdapterConfig | None]:
+    def _record(self, model: ModelConfig, version: str, tel: RequestTelemetry, ok: bool, ttft_s: float | None,
+                e2e_s: float | None) -> None:
+        """A request's outcome, for the gates of a rollout of its model's versions or of its adapter's."""
+        self.traffic.record(model, version, ok, ttft_s, e2e_s)
+        route = tel.adapter
+        if route is not None and route.version is not None:
+            self.traffic.record_key(rollout_key(model.name, route.name), route.version, ok, ttft_s, e2e_s)
+
+    def _resolve_model(self, name: str, caller: Caller) -> tuple[ModelConfig, Adapter | None]:
         """The model `name` names, and the adapter when it names one of a model's LoRA adapters."""
         model = self.config.find_model(name)
         if model is not None:
             return model, None
-        found = self.config.find_adapter(name)
-        if found is not None:
-            return found
+        adapter = self.adapters.find(name)
+        if adapter is not None:
+            return adapter.base, adapter
         visible = [m.name for m in self.config.models if caller.may_use(m.name)]
         raise ApiError(404, f"model {name!r} does not exist; models this key may use: "
                        f"{', '.join(visible) or 'none'} (GET /v1/models)", param="model",
@@ -310,6 +321,13 @@ def check_serving(model: ModelConfig, endpoint: str, parsed: ParsedRequest) -> N
         raise ApiError(400, f"model {model.name!r} does not choose tools itself (tool_choice 'auto', the default "
                        "with tools): its config sets `serving.enable_auto_tool_choice: false`; send tool_choice "
                        "'required' or name a function", param="tool_choice", code="tool_choice_not_supported")
+
+
+def _session(request: Request | None, body: dict[str, Any]) -> str | None:
+    """A request's conversation: the session header, else the `user` field (None: it belongs to none)."""
+    header = request.headers.get(SESSION_HEADER) if request is not None else None
+    user = body.get("user")
+    return header or (user if isinstance(user, str) and user else None)
 
 
 def _request_id() -> str:

@@ -2,7 +2,8 @@
 
 This module only wires one gateway replica together; each concern has its own module:
 - `api_app`: the FastAPI app, its OpenAPI document, and the one error shape (`{"error": {...}}`);
-- `openai_routes`, `admin_routes`: the routes, plain FastAPI functions that check the caller and delegate;
+- `openai_routes`, `admin_routes`, `adapter_routes`: the routes, plain FastAPI functions that check the caller
+  and delegate;
 - `request_body`: reading and checking a body (size, time, JSON) before vLLM's models parse it;
 - `forward`: one OpenAI request's pipeline: the door's checks, route, admit, attempt, fail over;
 - `replica_call`: starting a request on one version's replicas, with failover and bounded waits;
@@ -28,8 +29,9 @@ from ray.serve.handle import DeploymentHandle
 
 from shunter.auth import open_public_bind
 from shunter.config import ShunterConfig
-from shunter.deployments import admin_routes, openai_routes, parsed_request
+from shunter.deployments import adapter_routes, admin_routes, openai_routes, parsed_request
 from shunter.deployments.access import AccessControl
+from shunter.deployments.adapters import LiveAdapters
 from shunter.deployments.api_app import app
 from shunter.deployments.forward import Forwarder
 from shunter.deployments.gateway_parts import GatewayParts
@@ -45,6 +47,7 @@ log = logging.getLogger("ray.serve")
 
 app.include_router(openai_routes.router)
 app.include_router(admin_routes.router)
+app.include_router(adapter_routes.router)
 
 
 def _http_host() -> str | None:
@@ -85,6 +88,7 @@ class Gateway:
 
         def refreshed(control: dict[str, Any]) -> None:  # once a second, on the event loop
             replicas.apply_cordons(control, cfg.models)
+            adapters.refresh(control)
             # The autoscaling policy counts the requests waiting here (a blocking store write: off the loop).
             asyncio.get_running_loop().run_in_executor(None, _report_backlog, backlog, state.backlog())
 
@@ -94,7 +98,8 @@ class Gateway:
         state = ServingState(cfg, model_servers, traffic)
         replicas = ReplicaAdmin(traffic, model_servers, state.routing)
         body = BodyReader(cfg.gateway)
+        adapters = LiveAdapters(cfg)
         self.parts = GatewayParts(
             config=cfg, access=access, body=body, state=state, traffic=traffic, replicas=replicas,
-            forwarder=Forwarder(cfg, access, body, state, traffic, tiering), tiering=tiering,
-            servers=model_servers, created=int(time.time()))
+            forwarder=Forwarder(cfg, access, body, state, traffic, tiering, adapters), tiering=tiering,
+            adapters=adapters, servers=model_servers, created=int(time.time()))

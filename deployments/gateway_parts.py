@@ -16,6 +16,7 @@ from ray import serve
 
 from shunter.config import ShunterConfig
 from shunter.deployments.access import AccessControl
+from shunter.deployments.adapters import LiveAdapters
 from shunter.deployments.forward import Forwarder
 from shunter.deployments.replica_admin import ReplicaAdmin
 from shunter.deployments.request_body import BodyReader
@@ -34,6 +35,7 @@ class GatewayParts:
     replicas: ReplicaAdmin  # an operator's replica drains
     forwarder: Forwarder
     tiering: Tiering | None
+    adapters: LiveAdapters  # the LoRA adapters served now: the config's, with the admin API's changes
     servers: dict[str, dict[str, Any]]  # model -> version -> ModelServer deployment handle
     created: int  # when this gateway started (the model cards' `created`)
 

@@ -104,7 +104,7 @@ class ModelServer:
             path = resolve_source(self.model.source, cache_dir, progress=False)
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None, self.model.serving,
-                              tuple((a.name, a.source) for a in self.model.adapters))
+                              self.model.lora, tuple((a.name, a.source) for a in self.model.adapters))
             self.engine = await start(spec, env)
             if accelerator == "cpu":
                 yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made
@@ -127,6 +127,9 @@ class ModelServer:
 
     async def _serve(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         yield Accepted(self.replica_id, self._channel.address)
+        adapters, route = getattr(self.engine, "adapters", None), request.adapter
+        if route is not None and adapters is not None:
+            adapters.register(route.engine_name, route.source)  # known already (the usual case): a lookup
         body, refusal = await self._within_limits(request)
         if refusal is not None:
             yield {"status": 400, "body": refusal, "stream": False}
@@ -147,10 +150,18 @@ class ModelServer:
             if not work.done():
                 work.cancel()
         reply = work.result()
+        renamed = route is not None and route.engine_name != route.name
+        if renamed and isinstance(reply.body, dict) and "model" in reply.body:
+            reply.body["model"] = route.name  # type: ignore[union-attr]
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
-            async for chunk in reply.stream:
-                yield chunk
+            if renamed:  # an adapter's other version under rollout: the client sees the adapter's name
+                engine_name, name = f'"model":"{route.engine_name}"', f'"model":"{route.name}"'  # type: ignore[union-attr]
+                async for chunk in reply.stream:
+                    yield chunk.replace(engine_name, name) if isinstance(chunk, str) else chunk
+            else:
+                async for chunk in reply.stream:
+                    yield chunk
 
     async def _relay(self, items: AsyncIterator[Any], request: ReplicaRequest) -> AsyncIterator[Any]:
         """The reply's items on Ray, but a stream's chunks after the first over the gateway's token
@@ -225,6 +236,7 @@ class ModelServer:
             "prefix_cache_queries": counters.prefix_cache_queries if counters else 0,
             "prefix_cache_hits": counters.prefix_cache_hits if counters else 0,
             "kv_cache_usage": counters.kv_cache_usage if counters else 0.0,
+            **_adapter_stats(self.engine, with_loads=True),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -240,6 +252,7 @@ class ModelServer:
             "kv_cache_blocks": blocks() if blocks else 0,
             "block_size": size() if size else 0,
             "unfinished_requests": self.engine.num_unfinished_requests(),
+            **_adapter_stats(self.engine),
         }
 
     def retire(self, route: RouteHint | None, within_s: float | None, not_before_s: float | None) -> dict[str, Any]:
@@ -290,6 +303,18 @@ class ModelServer:
                 group.release()
             except Exception:  # noqa: BLE001 - Ray removes an actor's groups when it dies anyway
                 log.warning("could not remove the engine's placement group", exc_info=True)
+
+
+def _adapter_stats(engine: Any, with_loads: bool = False) -> dict[str, Any]:
+    """The LoRA adapters the engine holds (least recently used first: the routers send an adapter's
+    requests where it is held, `shunter.routing.state`), and `with_loads`, how often each was loaded."""
+    adapters = getattr(engine, "adapters", None)
+    if adapters is None:
+        return {}
+    held = {"adapters": adapters.held(), "adapter_capacity": adapters.capacity}
+    if with_loads:
+        held.update(adapter_loads=dict(adapters.loads), adapter_load_seconds=adapters.load_seconds)
+    return held
 
 
 def _import_callable(path: str) -> Any:

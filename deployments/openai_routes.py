@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from shunter.config import ModelConfig
-from shunter.config.adapters import AdapterConfig
+from shunter.deployments.adapters import Adapter
 from shunter.deployments.api_app import KEYED, RETRY_AFTER_S, error_response
 from shunter.deployments.gateway_parts import GatewayParts, Parts
 from shunter.deployments.openai_schema import (
@@ -86,7 +86,8 @@ async def list_models(request: Request, gw: Parts) -> dict[str, Any]:
     """The models the caller's key may use."""
     caller = gw.access.client(request.headers)
     cards = [_model_card(gw, m) for m in gw.config.models if caller.may_use(m.name)]
-    cards += [_adapter_card(gw, m, a) for m in gw.config.models for a in m.adapters if caller.may_use(a.name)]
+    cards += [_adapter_card(gw, a) for m in gw.config.models for a in gw.adapters.of(m)
+              if caller.may_use(a.name, m.name)]
     if gw.tiering and any(caller.may_use(t.model) for t in gw.tiering.router.tiers):
         cards.append(_tier_card(gw))
     return {"object": "list", "data": cards}
@@ -99,11 +100,11 @@ async def get_model(model_id: str, request: Request, gw: Parts) -> Response:
         return JSONResponse(_tier_card(gw))
     model = gw.config.find_model(model_id)
     if model is None:
-        found = gw.config.find_adapter(model_id)
-        if found is None:
+        adapter = gw.adapters.find(model_id)
+        if adapter is None:
             return error_response(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        gw.access.check_model(caller, found[1].name)
-        return JSONResponse(_adapter_card(gw, *found))
+        gw.access.check_model(caller, adapter.name, base=adapter.base.name)
+        return JSONResponse(_adapter_card(gw, adapter))
     gw.access.check_model(caller, model.name)
     return JSONResponse(_model_card(gw, model))
 
@@ -158,8 +159,9 @@ def _model_card(gw: GatewayParts, model: ModelConfig) -> dict[str, Any]:
     return card
 
 
-def _adapter_card(gw: GatewayParts, model: ModelConfig, adapter: AdapterConfig) -> dict[str, Any]:
+def _adapter_card(gw: GatewayParts, adapter: Adapter) -> dict[str, Any]:
     """A LoRA adapter, listed as a model whose `parent` is its base (as vLLM's own server lists them)."""
+    model = adapter.base
     return {"id": adapter.name, "object": "model", "created": gw.created, "owned_by": "shunter",
             "parent": model.name, "aliases": [f"{model.name}:{adapter.name}"], "task": model.task,
             "capabilities": capabilities(model)}

@@ -115,7 +115,8 @@ class ReplicaCalls:
                 return await self._attempt(model, version, routing, tel,
                                            ReplicaRequest(request_id=routing_id, avoid=avoid, endpoint=endpoint,
                                                           body=body, trace=carrier, limits=limits,
-                                                          channel=self.channels.id if self.channels else None))
+                                                          channel=self.channels.id if self.channels else None,
+                                                          adapter=tel.adapter))
             except BaseException as exc:
                 tel.attempt_failed(type(exc).__name__)
                 routing.finished(routing_id)  # Ray does not always report a failed or cancelled call

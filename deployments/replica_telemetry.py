@@ -3,7 +3,8 @@ Ray's metrics every few seconds) and the spans of the requests it serves.
 
 Engine metrics come from vLLM's own scheduler stats (`shunter.engine.EngineCounters`): KV-cache usage,
 running and waiting requests, and prefix-cache lookups and hits (as counters, so a dashboard can take a
-hit rate over any window). Labels: model, version, replica.
+hit rate over any window); LoRA adapter loads (per adapter), their seconds, and the adapters held.
+Labels: model, version, replica (and adapter).
 
 Spans: the replica's span continues the gateway's trace (the W3C carrier in `ReplicaRequest.trace`);
 the engine's generation is a child span whose `first_token` event marks the first chunk.
@@ -28,7 +29,8 @@ log = logging.getLogger("ray.serve")
 EXPORT_PERIOD_S = 5.0
 _NAMES = ("shunter_engine_kv_cache_usage_ratio", "shunter_engine_prefix_cache_queries_total",
           "shunter_engine_prefix_cache_hits_total", "shunter_engine_requests_running",
-          "shunter_engine_requests_waiting")
+          "shunter_engine_requests_waiting", "shunter_adapter_loads_total", "shunter_adapter_load_seconds_total",
+          "shunter_adapters_held")
 _get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
 
 
@@ -39,6 +41,8 @@ class EngineMetrics:
         self.engine = engine
         self.tags = {"model": model, "version": version, "replica": replica}
         self._sent_queries = self._sent_hits = 0
+        self._sent_loads: dict[str, int] = {}
+        self._sent_load_seconds = 0.0
 
     def export_once(self) -> None:
         counters = getattr(self.engine, "counters", None)
@@ -55,6 +59,21 @@ class EngineMetrics:
         if hits > self._sent_hits:
             m["shunter_engine_prefix_cache_hits_total"].inc(hits - self._sent_hits, tags=self.tags)
             self._sent_hits = hits
+        adapters = getattr(self.engine, "adapters", None)
+        if adapters is not None:
+            self._export_adapters(m, adapters)
+
+    def _export_adapters(self, m: dict[str, Any], adapters: Any) -> None:
+        m["shunter_adapters_held"].set(len(adapters.held()), tags=self.tags)
+        for name, loads in list(adapters.loads.items()):
+            if loads > self._sent_loads.get(name, 0):
+                m["shunter_adapter_loads_total"].inc(loads - self._sent_loads.get(name, 0),
+                                                     tags={**self.tags, "adapter": name})
+                self._sent_loads[name] = loads
+        if adapters.load_seconds > self._sent_load_seconds:
+            m["shunter_adapter_load_seconds_total"].inc(adapters.load_seconds - self._sent_load_seconds,
+                                                        tags=self.tags)
+            self._sent_load_seconds = adapters.load_seconds
 
     async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
         while True:

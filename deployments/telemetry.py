@@ -10,7 +10,9 @@ were relayed, and how it ended; it records:
   end-to-end latency, as histograms with LLM-sized buckets (`shunter.metric_catalog`);
 - prompt and completion tokens from the engine's `usage` (the gateway asks the engine for a usage
   chunk on every stream and drops it again when the client did not ask for one);
-- per-process gauges of requests in flight per version and waiting for a replica per model.
+- per-process gauges of requests in flight per version and waiting for a replica per model;
+- for a request to a LoRA adapter, `shunter_adapter_requests_total{model,adapter,status}` and its tokens
+  (the span carries `shunter.adapter`).
 
 The metrics are process-local Ray metrics: each gateway replica exports its own series, and dashboards
 sum them. Metrics and spans never break a request: every recording call swallows its own failure.
@@ -33,13 +35,15 @@ from shunter import tracing
 from shunter.deployments.wire_formats import EVENT_APIS, read_event, whole_usage
 from shunter.metric_catalog import build
 from shunter.ray_metrics import LazyMetrics
+from shunter.replica_protocol import AdapterRoute
 
 log = logging.getLogger("ray.serve")
 
 STREAM_ERROR = "stream_error"
 _NAMES = ("shunter_requests_total", "shunter_time_to_first_token_seconds", "shunter_inter_token_latency_seconds",
           "shunter_e2e_request_latency_seconds", "shunter_prompt_tokens_total", "shunter_completion_tokens_total",
-          "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable")
+          "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable",
+          "shunter_adapter_requests_total", "shunter_adapter_tokens_total")
 _record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
 _OPERATION = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings", "responses": "chat",
               "messages": "chat"}
@@ -105,6 +109,14 @@ class RequestTelemetry:
         # [DONE]): its `error` object, for the relay to count as the replica's failure.
         self.in_band_error: dict[str, Any] | None = None
         self._final_usage = False  # a typed-event stream's usage event has arrived
+        self.adapter: AdapterRoute | None = None  # the LoRA adapter asked for, and its version
+
+    def use_adapter(self, route: AdapterRoute) -> None:
+        """The request names a LoRA adapter of the model (its replica loads it from `route.source`)."""
+        self.adapter = route
+        self.span.set_attributes({"shunter.adapter": route.name, "gen_ai.request.model": route.name})
+        if route.version is not None:
+            self.span.set_attribute("shunter.adapter_version", route.version)
 
     @property
     def trace_id(self) -> str | None:
@@ -268,6 +280,12 @@ class RequestTelemetry:
                 m["shunter_prompt_tokens_total"].inc(self.prompt_tokens, tags=tags)
             if self.completion_tokens:
                 m["shunter_completion_tokens_total"].inc(self.completion_tokens, tags=tags)
+            if self.adapter is not None:
+                by_adapter = {"model": self.model, "adapter": self.adapter.name}
+                m["shunter_adapter_requests_total"].inc(1, tags={**by_adapter, "status": status})
+                if self.prompt_tokens or self.completion_tokens:
+                    m["shunter_adapter_tokens_total"].inc(self.prompt_tokens + self.completion_tokens,
+                                                          tags=by_adapter)
 
         _record(record)
         for callback in self.on_finish:

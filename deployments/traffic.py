@@ -57,6 +57,12 @@ class LiveVersions:
         if model.versioned and self.rollout_active(model):
             self._samples.setdefault(model.name, []).append((version, time.time(), ok, ttft_s, e2e_s))
 
+    def record_key(self, key: str, version: str, ok: bool, ttft_s: float | None, e2e_s: float | None) -> None:
+        """The same for the rollout under `key` (a LoRA adapter's: `<model>@<adapter>`), while it runs."""
+        entry = (self.state.get("rollouts") or {}).get(key)
+        if entry and entry["rollout"]["phase"] != "done":
+            self._samples.setdefault(key, []).append((version, time.time(), ok, ttft_s, e2e_s))
+
     # ---- the control actor ---------------------------------------------------------------------------
 
     def context(self, model: ModelConfig) -> dict[str, Any]:

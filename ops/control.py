@@ -1,8 +1,9 @@
 """The cluster-side state of a Shunter application, and the rollout controller that changes it.
 
 State (per application): for each model whose live state differs from its config file, the traffic
-weights of its versions and which versions run ("live"); each model's latest rollout; and the replicas
-an operator drains ("cordoned", per deployment), which the gateways' routers send nothing new. It is kept in
+weights of its versions and which versions run ("live"); each model's latest rollout; the replicas
+an operator drains ("cordoned", per deployment), which the gateways' routers send nothing new; and the
+LoRA adapters an operator added or removed ("adapters", per model, over those of the config). It is kept in
 Ray's internal key-value store (held by the GCS, which KubeRay can make fault tolerant), written by one
 detached, named actor per application (`ShunterControl`), which also runs the rollouts.
 
@@ -117,6 +118,21 @@ def with_cordon(state: dict[str, Any], deployment: str, replica: str, on: bool,
     kept = kept | {replica} if on else kept - {replica}
     others = {d: rs for d, rs in (state.get("cordoned") or {}).items() if d != deployment}
     return {**others, deployment: sorted(kept)} if kept else others
+
+
+def adapter_changes(state: dict[str, Any], model: str, fingerprint: str) -> dict[str, str | None]:
+    """An operator's changes to `model`'s LoRA adapters, on top of its config: name -> the adapter's
+    directory (added, or given new files) or None (removed). Empty when the config file says something
+    else about the model's adapters since (`ModelConfig.adapters_fingerprint`): it starts from the file."""
+    entry = (state.get("adapters") or {}).get(model)
+    return dict(entry["changes"]) if entry and entry.get("fingerprint") == fingerprint else {}
+
+
+def with_adapter(state: dict[str, Any], model: str, fingerprint: str, name: str,
+                 source: str | None) -> dict[str, Any]:
+    """`state`'s adapter changes after adding (`source`) or removing (None) adapter `name` of `model`."""
+    changes = {**adapter_changes(state, model, fingerprint), name: source}
+    return {**(state.get("adapters") or {}), model: {"fingerprint": fingerprint, "changes": changes}}
 
 
 @dataclass(frozen=True)
@@ -284,6 +300,16 @@ class ShunterControl:
                  "cordoned" if on else "released")
         return sorted(cordoned(self.state, deployment))
 
+    async def set_adapter(self, model: str, fingerprint: str, name: str, source: str | None) -> dict[str, Any]:
+        """An operator adds (`source`: its directory) or removes (None) LoRA adapter `name` of `model`;
+        the gateway checked the request against the model's config and the adapters it knows."""
+        async with self._lock:
+            self.state["adapters"] = with_adapter(self.state, model, fingerprint, name, source)
+            self._save()
+        log.info("model %s: adapter %s %s by an operator", model, name,
+                 f"served from {source}" if source else "removed")
+        return adapter_changes(self.state, model, fingerprint)
+
     async def report(self, model: str, samples: list[tuple[str, float, bool, float | None, float | None]]) -> None:
         """The gateways' request outcomes of a model under rollout."""
         self._ensure_loop()
@@ -330,15 +356,20 @@ class ShunterControl:
         """One step of `model`'s rollout from Ray's status of its versions and the gateways' samples."""
         r = self._rollout(entry)
         context, spec = entry["context"], r.spec
-        new = deployments.get(spec.new, {})
-        new_ready = new.get("running", 0) >= context["ready_replicas"] and new.get("status") == "HEALTHY"
-        # A first deploy that cannot start is DEPLOY_FAILED; a scale-up from zero that cannot is UNHEALTHY,
-        # triggered by the failed start (Ray keeps retrying it; the rollout does not wait for that).
-        failed = new.get("status") == "DEPLOY_FAILED" or (
-            new.get("status") == "UNHEALTHY" and new.get("trigger") == "REPLICA_STARTUP_FAILED")
-        new_failed = _short(new.get("message") or "its replicas failed to start") if failed else None
-        leaving = spec.old if r.phase is Phase.PROMOTED else spec.new if r.phase is Phase.ROLLING_BACK else None
-        removed = leaving is not None and deployments.get(leaving, {}).get("total", 0) == 0
+        if context.get("adapter"):
+            # A LoRA adapter's versions are files: nothing starts (a replica loads either version when first
+            # asked for it) and nothing needs removing (an unused version ages out of the engines' caches).
+            new_ready, new_failed, removed = True, None, True
+        else:
+            new = deployments.get(spec.new, {})
+            new_ready = new.get("running", 0) >= context["ready_replicas"] and new.get("status") == "HEALTHY"
+            # A first deploy that cannot start is DEPLOY_FAILED; a scale-up from zero that cannot is
+            # UNHEALTHY, triggered by the failed start (Ray keeps retrying it; the rollout does not wait).
+            failed = new.get("status") == "DEPLOY_FAILED" or (
+                new.get("status") == "UNHEALTHY" and new.get("trigger") == "REPLICA_STARTUP_FAILED")
+            new_failed = _short(new.get("message") or "its replicas failed to start") if failed else None
+            leaving = spec.old if r.phase is Phase.PROMOTED else spec.new if r.phase is Phase.ROLLING_BACK else None
+            removed = leaving is not None and deployments.get(leaving, {}).get("total", 0) == 0
         samples = list(self._samples.get(model, ()))
         old_stats = new_stats = None
         if r.step_started_at is not None:
@@ -347,6 +378,10 @@ class ShunterControl:
             if old_stats.requests < spec.gates.min_requests:  # little old traffic left: the whole rollout's
                 old_stats = window_stats(samples, spec.old, r.started_at)
         after, actions = advance(r, self._clock(), new_ready, new_failed, old_stats, new_stats, removed)
+        if after.outcome == "promoted" and r.outcome is None and context.get("adapter"):
+            # The adapter's directory is the new version's from now on (saved with the rollout's end).
+            self.state["adapters"] = with_adapter(self.state, context["base"], context["fingerprint"],
+                                                  context["adapter"], context["sources"][spec.new])
         if after != r:
             self._save_rollout(context, after, actions, _decision(r, after))
 

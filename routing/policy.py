@@ -6,6 +6,8 @@ dominant work on a cache miss). Sending a request to replica r costs
     pending(r)                      prefill queued on r ahead of it (sent there, no first byte back yet)
   + uncached(r) x (1 + load(r))     its own prefill, which also delays each request already on r
   + load_cost_tokens x load(r)      decode steps it shares with the requests in flight there
+  + adapter_load_tokens x (1 + load(r))   only if it asks for a LoRA adapter r's engine does not hold:
+                                    loading it stalls the engine's steps, so everyone on r waits for it
 
 A decoding request slows a newcomer by little; a queued cold prefill delays it by the whole prefill; and
 a cold prefill sent to a busy replica delays everyone there. Counting the last term is what keeps a
@@ -17,6 +19,8 @@ load, a cache miss costs the whole replica, not only the request. The cheapest r
 - a cached prefix keeps its replica while the queue there costs less than a cold prefill elsewhere;
 - a hot prefix spills once its replica runs far enough ahead, and the spill-over replica then caches
   the prefix too;
+- an adapter's requests stay where it is loaded while loading it elsewhere costs more than the queue
+  there, and a burst for one adapter spreads (the second replica then holds it too);
 - `max_load_gap` bounds the imbalance outright: a replica carrying more than that many requests beyond
   the least loaded one is only ranked after every replica within the gap.
 
@@ -41,6 +45,7 @@ class Candidate:
     load: int  # requests in flight on the replica
     matched: int = 0  # leading prefix chunks the replica is believed to hold
     pending: int = 0  # prompt tokens sent to the replica and not yet prefilled (no first byte back yet)
+    has_adapter: bool = True  # the replica's engine holds the request's LoRA adapter (or it names none)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ def rank_prefix_aware(
     load_cost_tokens: int,
     max_load_gap: int,
     rng: random.Random,
+    adapter_load_tokens: int = 0,
 ) -> Ranking:
     if not candidates:
         return Ranking((), LEAST_LOADED, 0.0)
@@ -71,8 +77,8 @@ def rank_prefix_aware(
     beyond = [c for c in candidates if c.load - least > max_load_gap]
 
     def cost(c: Candidate) -> tuple[int, int, float]:
-        uncached = key.uncached_tokens(c.matched)
-        return c.pending + uncached * (1 + c.load) + load_cost_tokens * c.load, c.load, rng.random()
+        missing = key.uncached_tokens(c.matched) + (0 if c.has_adapter else adapter_load_tokens)
+        return c.pending + missing * (1 + c.load) + load_cost_tokens * c.load, c.load, rng.random()
 
     order = sorted(within, key=cost) + sorted(beyond, key=lambda c: (c.load, rng.random()))
     best, most = order[0], max(c.matched for c in candidates)

@@ -8,7 +8,8 @@ Every policy runs behind `ShunterGuard`, which owns what must hold whatever the 
   and a replica that leaves or dies is forgotten at once.
 
 Policies:
-- `PrefixAwareRouter` ranks by the cost model in `shunter.routing.policy` (cached prefix vs load);
+- `PrefixAwareRouter` ranks by the cost model in `shunter.routing.policy` (cached prefix and held LoRA
+  adapter vs load);
 - `LeastConnectionsRouter` ranks by requests in flight;
 - `PowerOfTwoRouter` is Ray Serve's default policy behind the guard;
 - any other Ray RequestRouter runs behind the guard too (policy `custom`, see `shunter.routing.custom`).
@@ -131,13 +132,18 @@ class ShunterGuard:
         if key is None:
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
         matched = state.matched(replica, key.keys)
-        self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched))
+        adapter = _adapter_of(hint, state)
+        # A load the replica must do first stalls it like that much more prefill (routing.adapter_load_tokens).
+        load = 0 if adapter is None or state.holds_adapter(replica, adapter) else state.config.adapter_load_tokens
+        self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched) + load)
         if key.chars:
             metrics.prefix_match(state.model, state.version, min(1.0, matched * key.chunk_chars / key.chars))
         reason = self._reason(pending_request, replica, matched)
         if reason:
             metrics.decision(state.model, state.version, state.policy, reason)
         state.record_prefix(replica, key.keys)
+        if adapter is not None:
+            state.record_adapter(replica, adapter)
 
     def _count_until_done(self, replica: str, request_id: str, result: Any, prefill_tokens: int = 0) -> None:
         """Count the request in flight on `replica` until its call ends. Ray's on_request_completed cannot
@@ -175,6 +181,13 @@ class ShunterGuard:
         return [[by_id[i]] for i in ranking.order]
 
 
+def _adapter_of(hint: ReplicaRequest, state: DeploymentRouting) -> str | None:
+    """The LoRA adapter the request names: the gateway sends the engine's name for it as `model`, which
+    is the base model's own name otherwise."""
+    name = hint.body.get("model")
+    return name if isinstance(name, str) and name != state.model else None
+
+
 class LeastConnectionsRouter(ShunterGuard, RequestRouter):
     """The replica with the fewest requests in flight; ties broken at random."""
 
@@ -205,14 +218,17 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
         if key is None:  # computed once per request, though Ray may ask again after a rejection
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
             pending_request._shunter_key = key
-        candidates = [Candidate(i, self._load(r), state.matched(i, key.keys), state.pending_prefill(i))
+        adapter = _adapter_of(hint, state)
+        candidates = [Candidate(i, self._load(r), state.matched(i, key.keys), state.pending_prefill(i),
+                                has_adapter=adapter is None or state.holds_adapter(i, adapter))
                       for i, r in by_id.items()]
         ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
-                                    self._rng)
+                                    self._rng, state.config.adapter_load_tokens)
         pending_request._shunter_most = max((c.matched for c in candidates), default=0)
         if ranking.order:
             first = next(c for c in candidates if c.replica == ranking.order[0])
-            self._reserve(pending_request, ranking.order, key.uncached_tokens(first.matched))
+            load = 0 if first.has_adapter else state.config.adapter_load_tokens
+            self._reserve(pending_request, ranking.order, key.uncached_tokens(first.matched) + load)
         return [[by_id[i]] for i in ranking.order]
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,6 +55,7 @@ class DeploymentRouting:
         self.cordoned: frozenset[str] = frozenset()  # replicas an operator drains: no new requests
         self._finished: set[str] = set()  # request ids the gateway is done with, kept _FINISHED_KEPT_S
         self._finished_order: deque[tuple[float, str]] = deque()
+        self.adapters = AdapterResidency()
         self._lock = threading.RLock()
 
     def allows(self, replica: str) -> bool:
@@ -107,6 +108,15 @@ class DeploymentRouting:
         with self._lock:
             self.prefix.record(replica, keys)
 
+    def holds_adapter(self, replica: str, adapter: str) -> bool:
+        with self._lock:
+            return self.adapters.holds(replica, adapter)
+
+    def record_adapter(self, replica: str, adapter: str) -> None:
+        """A request for `adapter` was sent to `replica`: its engine holds the adapter from now on."""
+        with self._lock:
+            self.adapters.sent(replica, adapter)
+
     def sync_replicas(self, replicas: Iterable[str], stats: dict[str, dict[str, Any]] | None = None) -> None:
         """The deployment's running replicas changed (or reported new routing stats)."""
         with self._lock:
@@ -123,6 +133,7 @@ class DeploymentRouting:
             self.replicas = current
             self.synced = True
             self.prefix.retain(self.replicas)
+            self.adapters.retain(self.replicas)
             self.breakers.retain(self.replicas)
             for replica in [r for r in self.inflight if r not in self.replicas]:
                 del self.inflight[replica]
@@ -137,6 +148,8 @@ class DeploymentRouting:
                     self.prefix.set_capacity(replica, int(blocks))
                 if reported.get("block_size"):
                     self.block_size = int(reported["block_size"])
+                if "adapters" in reported:
+                    self.adapters.reported(replica, reported["adapters"], reported.get("adapter_capacity"))
 
     def departed_at(self, replica: str) -> float | None:
         """When `replica` left the running set (Ray is stopping it; it drains), or None if it has not."""
@@ -150,6 +163,7 @@ class DeploymentRouting:
                 self._departed.setdefault(replica, self.clock())
             self.replicas.discard(replica)
             self.prefix.drop(replica)
+            self.adapters.retain(self.replicas)
             self.inflight.pop(replica, None)
             self._flights = {f for f in self._flights if f[0] != replica}
             self.pending.pop(replica, None)
@@ -233,9 +247,52 @@ class DeploymentRouting:
         metrics.breaker_state(self.model, self.version, replica, after.level, to=after.value)
 
 
+class AdapterResidency:
+    """Which LoRA adapters each replica's engine holds, least recently used first: the replica's own
+    report (its routing stats, every `routing.stats_period_s`), and since that report, what this process
+    sent there (the engine loads an adapter for the first request that names it, and evicts its least
+    recently used past its capacity). The report also counts what other gateways sent."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[str, None]] = {}
+        self._capacity: dict[str, int] = {}
+        self._since_report: dict[str, list[str]] = {}
+
+    def holds(self, replica: str, adapter: str) -> bool:
+        return adapter in self._held.get(replica, ())
+
+    def sent(self, replica: str, adapter: str) -> None:
+        since = self._since_report.setdefault(replica, [])
+        since.append(adapter)
+        del since[:-_SENT_KEPT]  # bounded where a replica never reports (an engine without adapters)
+        self._touch(replica, adapter)
+
+    def reported(self, replica: str, held: Any, capacity: Any) -> None:
+        if isinstance(capacity, int) and capacity > 0:
+            self._capacity[replica] = capacity
+        self._held[replica] = OrderedDict((str(a), None) for a in held or ())
+        for adapter in self._since_report.pop(replica, []):  # may not have reached the engine at the report
+            self._touch(replica, adapter)
+
+    def retain(self, replicas: set[str]) -> None:
+        for table in (self._held, self._capacity, self._since_report):
+            for replica in [r for r in table if r not in replicas]:
+                del table[replica]
+
+    def _touch(self, replica: str, adapter: str) -> None:
+        held = self._held.setdefault(replica, OrderedDict())
+        held[adapter] = None
+        held.move_to_end(adapter)
+        capacity = self._capacity.get(replica)
+        while capacity and len(held) > capacity:
+            held.popitem(last=False)
+
+
 # Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a
 # backoff of at most a few seconds; a reservation older than this belongs to a request that went away.
 RESERVATION_TTL_S = 10.0
+# Adapters sent to a replica since its last report, at most (reports come every couple of seconds).
+_SENT_KEPT = 256
 # Departures are remembered this long: far past any drain timeout, and bounded for long-lived gateways.
 _DEPARTED_KEPT_S = 6 * 3600.0
 

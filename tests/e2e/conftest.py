@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.local_app import local_app, stop_kept_cluster
 
-from . import keyed_app
+from . import keyed_app, routing_app
 from .live import APP_NAME, LiveApp, local_app_args, wait_ready
 
 # The keyed app's keys reach its gateway as a real deployment gives them: in the environment of the
@@ -29,6 +29,7 @@ os.environ.update(keyed_app.ENV)
 
 _live = ExitStack()  # the shared app while it runs
 _keyed = ExitStack()  # the keyed app (tests/e2e/keyed_app.py) while it runs
+_routing = ExitStack()  # the two-replica routing app (tests/e2e/routing_app.py) while it runs
 _live_app: list[LiveApp] = []
 
 
@@ -53,6 +54,7 @@ def exclusive_machine() -> None:
     """For tests that start their own cluster: no app, and no kept cluster, may hold the cores."""
     _stop_live_app()
     _keyed.close()
+    _routing.close()
     stop_kept_cluster()
 
 
@@ -65,7 +67,16 @@ def keyed_app_url(tmp_path_factory) -> Iterator[str]:
     _keyed.close()
 
 
+@pytest.fixture(scope="session")
+def routing_live_app(tmp_path_factory) -> Iterator[LiveApp]:
+    """The two-replica app with LoRA adapters (tests/e2e/routing_app.py), shared like the keyed app."""
+    _stop_live_app()
+    yield _routing.enter_context(routing_app.routing_app(tmp_path_factory.mktemp("routing")))
+    _routing.close()
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if "keyed_app_url" in getattr(item, "fixturenames", ()) and (
-            nextitem is None or "keyed_app_url" not in getattr(nextitem, "fixturenames", ())):
-        _keyed.close()  # the next test deploys an app of its own
+    for fixture, stack in (("keyed_app_url", _keyed), ("routing_live_app", _routing)):
+        if fixture in getattr(item, "fixturenames", ()) and (
+                nextitem is None or fixture not in getattr(nextitem, "fixturenames", ())):
+            stack.close()  # the next test deploys an app of its own

@@ -139,6 +139,7 @@ def gateways_that_served(app: str, request_ids: list[str], timeout_s: float = 30
 @dataclass
 class LiveApp:
     base_url: str
+    api_key: str = "unused"  # the clients' key, for an app with keys
 
     @property
     def v1(self) -> str:
@@ -147,18 +148,18 @@ class LiveApp:
     def openai(self, **kwargs: Any):
         import openai
 
-        return openai.OpenAI(**{"base_url": self.v1, "api_key": "unused", "max_retries": 0, "timeout": 120, **kwargs})
+        return openai.OpenAI(**{"base_url": self.v1, "api_key": self.api_key, "max_retries": 0, "timeout": 120, **kwargs})
 
     def anthropic(self, **kwargs: Any):
         import anthropic
 
-        return anthropic.Anthropic(**{"base_url": self.base_url, "api_key": "unused", "max_retries": 0,
+        return anthropic.Anthropic(**{"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0,
                                       "timeout": 120, **kwargs})
 
     def async_openai(self, **kwargs: Any):
         import openai
 
-        return openai.AsyncOpenAI(**{"base_url": self.v1, "api_key": "unused", "max_retries": 0, "timeout": 300,
+        return openai.AsyncOpenAI(**{"base_url": self.v1, "api_key": self.api_key, "max_retries": 0, "timeout": 300,
                                      **kwargs})
 
     def model_handle(self, model: str):

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shunter.deployments.replica_telemetry import EXPORT_PERIOD_S
 from shunter.local_serve import free_port
 from shunter.ops.prometheus import Prometheus, has_data
 from tests.e2e.live import wait_ready
@@ -39,11 +40,16 @@ SCRAPE_S = 2.0
 SYSTEM = " ".join(f"Fact {i}: depot {i} ships crates to harbour {i % 7} every morning." for i in range(40))
 
 
-def _args(otlp_endpoint: str) -> dict:
+ADAPTERS = ("obs-a", "obs-b")  # two LoRA adapters of the model, one held at a time (max_cpu_loras 1)
+
+
+def _args(otlp_endpoint: str, adapters: dict[str, str]) -> dict:
     return {
         "models": [{
             "name": MODEL,
-            "engine": {"max_model_len": 2048, "max_num_seqs": 8, "cpu_kv_cache_gib": 1},
+            "engine": {"max_model_len": 2048, "max_num_seqs": 8, "cpu_kv_cache_gib": 1, "max_loras": 1,
+                       "max_cpu_loras": 1, "max_lora_rank": 8},
+            "adapters": [{"name": name, "source": path} for name, path in adapters.items()],
             "versions": [{"name": "v1", "source": SMOL, "weight": 100}, {"name": "v2", "source": SMOL},
                          {"name": "broken", "source": "fake:broken"}],
             "max_ongoing_requests": 4,
@@ -68,10 +74,15 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(exclusive_machine) -> Iterator[Live]:
+def live(exclusive_machine, tmp_path_factory) -> Iterator[Live]:
+    from shunter.bench.lora_adapters import make_adapter
+    from shunter.catalog import resolve_source
+
+    folder, base_dir = tmp_path_factory.mktemp("adapters"), resolve_source(SMOL, progress=False)
+    adapters = {name: make_adapter(base_dir, folder / name, seed=i + 1) for i, name in enumerate(ADAPTERS)}
     metrics_port = free_port()
     with OTLPReceiver() as receiver, \
-            local_app(_args(receiver.endpoint), APP, metrics_port=metrics_port) as base, \
+            local_app(_args(receiver.endpoint, adapters), APP, metrics_port=metrics_port) as base, \
             Prometheus([f"127.0.0.1:{metrics_port}"], scrape_interval_s=SCRAPE_S) as prometheus:
         wait_ready(base)
         prometheus.wait_scraped()
@@ -103,6 +114,27 @@ def test_one_request_is_one_trace_from_the_client_through_the_replica_to_the_eng
     assert gateway.attributes["shunter.request_id"] == request_id
     assert gateway.attributes["shunter.version"] == "v1" and gateway.attributes["gen_ai.usage.output_tokens"] > 0
     assert route.attributes["shunter.replica"] == replica.attributes["shunter.replica"]
+
+
+def test_requests_to_lora_adapters_carry_the_adapter_in_spans_and_metrics(live):
+    """Two adapters on a replica that holds one: asked in turn, each is loaded, evicted and loaded again,
+    seconds apart, so the adapter panels' rates have a baseline to rise from."""
+    asked = []
+    for round_ in range(2):
+        for name in ADAPTERS:
+            resp = httpx.post(f"{live.base}/v1/chat/completions", timeout=120, json={
+                "model": name, "max_tokens": 4, "messages": [{"role": "user", "content": f"Round {round_}."}]})
+            assert resp.status_code == 200 and resp.json()["model"] == name, resp.text
+            asked.append(name)
+        time.sleep(EXPORT_PERIOD_S + 2 * SCRAPE_S)  # each round's loads exported and scraped apart
+    deadline, spans = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        spans = [s for s in live.spans.all() if s.name == f"chat {MODEL}" and "shunter.adapter" in s.attributes]
+        if len(spans) >= len(asked):
+            break
+        time.sleep(0.5)
+    assert sorted(s.attributes["shunter.adapter"] for s in spans) == sorted(asked), spans
+    assert all(s.attributes["gen_ai.request.model"] == s.attributes["shunter.adapter"] for s in spans)
 
 
 def test_a_rollout_to_a_failing_version_is_rolled_back_with_no_client_error(live):

@@ -1,5 +1,6 @@
-"""LoRA adapters in the config: where they come from, their names, ranks, and how requests and keys name
-them (issue 24, in progress: the e2e tests with real adapters come with the adapter-aware router)."""
+"""LoRA adapters in the config and the gateway: where they come from, their names, ranks, how requests and
+keys name them, and the operator's additions and removals over the config (the control state). Real
+adapters on real engines: tests/e2e/test_routing_adapters.py."""
 
 from __future__ import annotations
 
@@ -59,12 +60,20 @@ def test_an_embedding_model_takes_no_adapters(tmp_path):
                                   "adapters": [{"name": "x", "source": _adapter_dir(tmp_path, "x")}]}]})
 
 
-def test_the_engine_runs_lora_only_for_a_model_with_adapters(tmp_path):
+def test_the_engine_runs_lora_for_a_model_with_adapters_or_enable_lora(tmp_path):
     model = _config(tmp_path).models[0]
-    spec = EngineSpec("chat", "/m", "generate", model.engine, "cpu", adapters=(("legal", "/a"),))
+    assert model.lora
+    spec = EngineSpec("chat", "/m", "generate", model.engine, "cpu", lora=model.lora, adapters=(("legal", "/a"),))
     args = spec.engine_args()
     assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"], args["max_cpu_loras"]) == (True, 4, 16, None)
     assert "enable_lora" not in EngineSpec("chat", "/m", "generate", model.engine, "cpu").engine_args()
+    plain = {"name": "c", "source": "builtin:smollm2-135m-instruct"}
+    assert not parse_config({"models": [plain]}).models[0].lora
+    assert parse_config({"models": [{**plain, "engine": {"enable_lora": True}}]}).models[0].lora, \
+        "no adapters yet: the admin API adds them"
+    with pytest.raises(Exception, match="enable_lora is false"):
+        parse_config({"models": [{**plain, "engine": {"enable_lora": False},
+                                  "adapters": [{"name": "x", "source": _adapter_dir(tmp_path, "x")}]}]})
     with pytest.raises(Exception, match="set by Shunter"):
         parse_config({"models": [{"name": "c", "source": "builtin:smollm2-135m-instruct",
                                   "engine": {"extra_engine_args": {"max_loras": 2}}}]})
@@ -74,6 +83,60 @@ def test_a_key_may_name_an_adapter_and_then_uses_only_that_one(tmp_path):
     cfg = _config(tmp_path, auth={"keys": [{"name": "legal-team", "key_env": "K", "models": ["chat:legal"]}]})
     caller = AccessControl(cfg, environ={"K": "sk-" + "a" * 40}).client({"authorization": "Bearer sk-" + "a" * 40})
     assert caller.may_use("legal") and not caller.may_use("medical") and not caller.may_use("chat")
-    with pytest.raises(Exception, match="not served models, aliases or adapters"):
+    with pytest.raises(Exception, match="not served models, aliases, adapters"):
         parse_config({"models": [{"name": "c", "source": "builtin:smollm2-135m-instruct"}],
                       "auth": {"keys": [{"name": "k", "key_env": "K", "models": ["legal"]}]}})
+
+
+def test_a_key_naming_model_star_uses_every_adapter_of_it_but_not_the_model(tmp_path):
+    cfg = _config(tmp_path, auth={"keys": [{"name": "tuners", "key_env": "K", "models": ["smol:*"]}]})
+    caller = AccessControl(cfg, environ={"K": "sk-" + "a" * 40}).client({"authorization": "Bearer sk-" + "a" * 40})
+    assert caller.models == frozenset({"chat:*"}), "the alias is canonicalised"
+    assert caller.may_use("legal", base="chat") and caller.may_use("added-later", base="chat")
+    assert not caller.may_use("chat") and not caller.may_use("legal"), "an adapter is checked with its base"
+    with pytest.raises(Exception, match="model that runs LoRA"):
+        parse_config({"models": [{"name": "c", "source": "builtin:smollm2-135m-instruct"}],
+                      "auth": {"keys": [{"name": "k", "key_env": "K", "models": ["c:*"]}]}})
+
+
+# ---- the gateway's live table: the config, with an operator's changes ------------------------------------
+
+
+def test_an_operator_adds_and_removes_adapters_over_the_config(tmp_path):
+    from shunter.deployments.adapters import LiveAdapters
+    from shunter.ops.control import adapter_changes, with_adapter
+
+    cfg = _config(tmp_path)
+    model = cfg.models[0]
+    live = LiveAdapters(cfg)
+    assert [a.name for a in live.of(model)] == ["legal", "medical"]
+    fingerprint = model.adapters_fingerprint()
+    new_dir = _adapter_dir(tmp_path, "finance")
+    state = {"adapters": with_adapter({}, "chat", fingerprint, "finance", new_dir)}
+    state["adapters"] = with_adapter(state, "chat", fingerprint, "legal", None)
+    live.refresh(state)
+    assert [(a.name, a.origin) for a in live.of(model)] == [("finance", "admin"), ("medical", "config")]
+    assert live.find("finance").source == new_dir and live.find("smol:finance").name == "finance"
+    assert live.find("legal") is None and live.find("chat:legal") is None and live.find("nope:finance") is None
+    # A config that says something else about the adapters starts from the file again.
+    assert adapter_changes(state, "chat", "another-fingerprint") == {}
+
+
+def test_what_an_operator_may_add(tmp_path):
+    from shunter.deployments.adapters import LiveAdapters
+    from shunter.errors import ApiError
+
+    cfg = parse_config({"models": [
+        {"name": "chat", "aliases": ["smol"], "source": "builtin:smollm2-135m-instruct",
+         "adapters": [{"name": "legal", "source": _adapter_dir(tmp_path, "legal")}]},
+        {"name": "other", "source": "builtin:smollm2-135m-instruct", "engine": {"enable_lora": True}},
+        {"name": "plain", "source": "builtin:smollm2-135m-instruct"}]})
+    chat, other, plain = cfg.models
+    live = LiveAdapters(cfg)
+    live.check_addition(chat, "legal")  # new files for one it serves
+    live.check_addition(other, "fresh")
+    for model, name, code in ((plain, "x", "lora_not_enabled"), (other, "legal", "adapter_name_taken"),
+                              (other, "smol", "adapter_name_taken")):
+        with pytest.raises(ApiError) as refused:
+            live.check_addition(model, name)
+        assert refused.value.status == 409 and refused.value.code == code, refused.value.message

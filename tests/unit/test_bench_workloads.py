@@ -11,6 +11,7 @@ from shunter.bench.runner import load_tokenizer
 from shunter.bench.workloads import (
     LengthDist,
     TextMaker,
+    adapter_workload,
     describe,
     multi_turn_workload,
     random_workload,
@@ -110,3 +111,21 @@ def test_the_load_generator_reads_every_apis_stream():
     for endpoint, error in (("responses", {"type": "error", "message": "m"}), ("chat", {"error": {"message": "m"}})):
         with pytest.raises(ValueError):
             _read_event(endpoint, error, record)
+
+
+def test_the_adapters_workload_is_a_seeded_zipf_mix(maker):
+    from collections import Counter
+
+    from shunter.bench.loadgen import _payload
+
+    names = [f"tune-{i}" for i in range(8)]
+    sessions = adapter_workload(maker, names, 400, 1.1, LengthDist.parse("fixed:8"), LengthDist.parse(4), seed=3)
+    again = adapter_workload(maker, names, 400, 1.1, LengthDist.parse("fixed:8"), LengthDist.parse(4), seed=3)
+    assert [s.model for s in sessions] == [s.model for s in again], "the same seed, the same mix"
+    counts = Counter(s.model for s in sessions)
+    assert counts["tune-0"] > counts["tune-1"] > counts["tune-7"] > 0, counts
+    assert describe(sessions)["models"] == 8
+    cfg = LoadConfig(base_url="http://x/v1", model="base", max_requests=1)
+    assert _payload(cfg, sessions[0], [], sessions[0].turns[0])["model"] == sessions[0].model
+    with pytest.raises(ValueError, match="adapter names"):
+        adapter_workload(maker, [], 4, 1.1, LengthDist.parse(8), LengthDist.parse(4), seed=0)

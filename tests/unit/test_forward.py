@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from shunter.config import parse_config
 from shunter.deployments.access import AccessControl
+from shunter.deployments.adapters import LiveAdapters
 from shunter.deployments.forward import Forwarder
 from shunter.deployments.request_body import BodyReader
 from shunter.deployments.serving_state import ServingState
@@ -105,7 +106,7 @@ def build_pipeline() -> tuple[Forwarder, Replica, Traffic]:
     replica, traffic = Replica(), Traffic()
     state = ServingState(CONFIG, {"m": {"default": replica}}, traffic)  # type: ignore[arg-type]
     forwarder = Forwarder(CONFIG, AccessControl(CONFIG), BodyReader(CONFIG.gateway), state,
-                          traffic, None)  # type: ignore[arg-type]
+                          traffic, None, LiveAdapters(CONFIG))  # type: ignore[arg-type]
     replica.routing = state.routing(MODEL, "default")
     return forwarder, replica, traffic
 

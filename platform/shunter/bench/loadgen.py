@@ -141,7 +141,7 @@ _PATHS = {"chat": "/chat/completions", "completions": "/completions", "responses
 def _payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, str]], turn: Turn) -> dict[str, Any]:
     if cfg.endpoint in ("responses", "messages"):
         return _agent_payload(cfg, session, history, turn)
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": turn.max_tokens, "stream": True,
+    body: dict[str, Any] = {"model": session.model or cfg.model, "max_tokens": turn.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "temperature": 0}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
@@ -164,7 +164,7 @@ def _agent_payload(cfg: LoadConfig, session: Session, history: list[tuple[Turn, 
     for past, answer in history:
         messages += [{"role": "user", "content": past.text}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": turn.text})
-    body: dict[str, Any] = {"model": cfg.model, "stream": True, "temperature": 0}
+    body: dict[str, Any] = {"model": session.model or cfg.model, "stream": True, "temperature": 0}
     if cfg.endpoint == "responses":
         body.update(input=messages, max_output_tokens=turn.max_tokens)
         if session.system:

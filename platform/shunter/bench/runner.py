@@ -50,7 +50,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["chat", "completions", "responses", "messages"], default="chat")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="model dir, hub id or builtin:NAME whose tokenizer measures lengths")
-    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn", "adapters"], default="random")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="sessions in flight at once (default 8)")
     load.add_argument("--rate", type=float, help="requests per second, Poisson arrivals")
@@ -66,6 +66,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=8, help="multi-turn: conversations")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--turn-len", default="uniform:16:64", help="multi-turn: user tokens per turn")
+    p.add_argument("--adapters", default="", help="adapters: comma-separated LoRA adapter names, most asked first")
+    p.add_argument("--zipf", type=float, default=1.1, help="adapters: the Zipf exponent of their popularity")
     p.add_argument("--slo-ttft-ms", type=float, help="goodput: a request must start within this")
     p.add_argument("--slo-itl-ms", type=float, help="goodput: ... and average at most this between tokens")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -82,6 +84,7 @@ def build_sessions(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
     from shunter.bench.workloads import (
         LengthDist,
         TextMaker,
+        adapter_workload,
         describe,
         multi_turn_workload,
         random_workload,
@@ -91,11 +94,16 @@ def build_sessions(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
     maker = TextMaker(load_tokenizer(args.tokenizer))
     output_len = LengthDist.parse(args.output_len)
     params: dict[str, Any] = {"kind": args.workload, "seed": args.seed, "output_len": str(output_len)}
-    if args.workload == "random":
+    if args.workload in ("random", "adapters"):
         input_len = LengthDist.parse(args.input_len)
         count = args.requests or (256 if args.duration else 64)  # a duration-bound run cycles through these
-        sessions = random_workload(maker, count, input_len, output_len, args.seed)
         params["input_len"] = str(input_len)
+        if args.workload == "random":
+            sessions = random_workload(maker, count, input_len, output_len, args.seed)
+        else:
+            adapters = [a for a in args.adapters.split(",") if a]
+            sessions = adapter_workload(maker, adapters, count, args.zipf, input_len, output_len, args.seed)
+            params.update(adapters=adapters, zipf=args.zipf)
     elif args.workload == "shared-prefix":
         question_len = LengthDist.parse(args.question_len)
         sessions = shared_prefix_workload(maker, args.groups, args.users, args.system_len, question_len, output_len,

@@ -8,7 +8,9 @@ have one-turn sessions.
 - `shared-prefix`: G groups x U users; each group shares one long system prompt, each request adds a
   short unique question (the shape llm-d and the Gateway API inference extension use: many users behind
   a few long prompts), shuffled so groups interleave as real traffic does;
-- `multi-turn`: conversations that grow turn by turn.
+- `multi-turn`: conversations that grow turn by turn;
+- `adapters`: single-turn requests, each to one of N LoRA adapters drawn from a Zipf distribution (a few
+  adapters take most requests, a long tail the rest: the shape of many fine-tunes behind one base).
 
 Lengths are in tokens of the model's own tokenizer: text is built from words, encoded, cut to the
 target and decoded, and re-measured so a prompt never exceeds its target.
@@ -98,6 +100,7 @@ class Session:
     system: str | None = None  # a system prompt sent before the turns (shared-prefix groups)
     group: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # the model its requests name, where not the run's (a LoRA adapter)
 
 
 class TextMaker:
@@ -160,10 +163,26 @@ def multi_turn_workload(maker: TextMaker, conversations: int, turns: int, turn_l
     return sessions
 
 
+def adapter_workload(maker: TextMaker, adapters: list[str], requests: int, zipf_s: float, input_len: LengthDist,
+                     output_len: LengthDist, seed: int) -> list[Session]:
+    """`requests` requests over `adapters`, the k-th adapter (1-based) chosen with weight 1 / k^zipf_s."""
+    if not adapters:
+        raise ValueError("the adapters workload needs adapter names")
+    rng = random.Random(seed)
+    weights = [1 / (k ** zipf_s) for k in range(1, len(adapters) + 1)]
+    sessions = []
+    for i in range(requests):
+        text, n = maker.make(input_len.sample(rng), rng)
+        sessions.append(Session(i, [Turn(text, n, output_len.sample(rng))],
+                                model=rng.choices(adapters, weights)[0]))
+    return sessions
+
+
 def describe(sessions: list[Session]) -> dict[str, Any]:
     """Counts a result file records about its workload."""
     turns = [t for s in sessions for t in s.turns]
     return {"sessions": len(sessions), "requests": len(turns),
             "prompt_tokens_total": sum(t.prompt_tokens for t in turns),
             "max_tokens_total": sum(t.max_tokens for t in turns),
-            "groups": len({s.group for s in sessions if s.group is not None})}
+            "groups": len({s.group for s in sessions if s.group is not None}),
+            "models": len({s.model for s in sessions if s.model is not None})}

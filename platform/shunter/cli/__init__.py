@@ -15,6 +15,7 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
     shunter bench agents ...      chat, Responses and Messages: Shunter against vLLM's own server
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
+    shunter bench lora ...        LoRA adapters under a Zipf mix: adapter-aware routing vs the others (2 replicas)
     shunter bench placement       how often a placement splits a TP stage across nodes (simulated cluster)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
     shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
@@ -32,7 +33,8 @@ from shunter.cli.render import DEFAULT_IMAGE
 
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
-BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "routing", "placement", "tiers", "suite")
+BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "routing", "lora", "placement", "tiers",
+              "suite")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("agents", help="chat, Responses and Messages through Shunter and vLLM's own server")
     bench.add_parser("saturation", help="a burst far past capacity: refusal latency, admitted TTFT, wall time")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
+    bench.add_parser("lora", help="LoRA adapters under a skewed mix on 2 replicas, by routing policy (its own "
+                     "options: --help)")
     bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
     bench.add_parser("tiers", help="a mixed workload to `model: auto`: tier split and cost vs the top tier")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
@@ -78,6 +82,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_routing import main as routing
 
         return routing(argv)
+    if action == "lora":
+        from shunter.cli.bench_lora import main as lora
+
+        return lora(argv)
     if action == "placement":
         from shunter.cli.bench_placement import main as placement
 

@@ -270,11 +270,17 @@ def suite_main(argv: list[str] | None = None) -> int:
 
     result["saturation"] = [*saturation(args.config, args.model, 256, 1, 32, with_vllm_server=True),
                             *saturation(args.config, args.model, 400, 2, 32, with_vllm_server=True)]
+    from shunter.cli.bench_lora import POLICIES as LORA_POLICIES
+    from shunter.cli.bench_lora import compare_lora
+
+    lora = compare_lora(args.config, args.model, list(LORA_POLICIES))
     env = environment()
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
     (args.results / "routing.json").write_text(json.dumps({"benchmark": "routing", **routing, **env}, indent=1))
     result["routing"] = routing
+    (args.results / "lora.json").write_text(json.dumps({"benchmark": "lora", **lora, **env}, indent=1))
+    result["lora"] = lora
     img = args.docs / "img"
     plot_latency_cdfs(result["shared_prefix"], img / "shared-prefix-cdf.png", title=result["shared_prefix"]["label"])
     plot_overhead(result["overhead"], baseline["tokens_per_s"], img / "overhead.png")
@@ -286,6 +292,7 @@ def suite_main(argv: list[str] | None = None) -> int:
 def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[str, Any],
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
+    from shunter.cli.bench_lora import lora_section
     from shunter.cli.bench_routing import routing_section
     from shunter.cli.bench_saturation import table as saturation_table
 
@@ -294,8 +301,8 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
     shared = result["shared_prefix"]
     return f"""# Benchmarks
 
-Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json` and
-`results/routing.json`. Benchmarks
+Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`,
+`results/routing.json` and `results/lora.json`. Benchmarks
 report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
 30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
 
@@ -346,7 +353,9 @@ vLLM's server queues everything. Wall time and TTFT are over the requests each s
 
 {saturation_table(result["saturation"])}
 
-{_saturation_ratios(result["saturation"])}"""
+{_saturation_ratios(result["saturation"])}
+
+{lora_section(result["lora"], 6)}"""
 
 
 def _saturation_ratios(rows: list[dict[str, Any]]) -> str:

@@ -31,7 +31,8 @@ WORKLOAD = ["--workload", "shared-prefix", "--groups", "16", "--users", "4", "--
             "--slo-ttft-ms", "2000", "--slo-itl-ms", "150", "--seed", "0"]
 
 
-def _replica_ids(handle: Any, expected: int) -> list[str]:
+def replica_ids(handle: Any, expected: int) -> list[str]:
+    """The ids of a deployment's `expected` running replicas (shared with `shunter bench lora`)."""
     seen: set[str] = set()
     for _ in range(200):  # unpinned calls spread over idle replicas at random
         seen.add(handle.stats.remote().result(timeout_s=60)["replica"])
@@ -66,7 +67,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             print(f"\n== {name}: deploying {replicas} fresh replicas", flush=True)
             local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
-            ids = _replica_ids(handle, replicas)
+            ids = replica_ids(handle, replicas)
             before = _counters(handle, ids)
             result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
                                                   "--label", name, *WORKLOAD]))
@@ -97,8 +98,8 @@ def routing_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         s, cache = row["summary"], row["engine_prefix_cache"]
         split = " / ".join(f"{share:.0%}" for share in cache["prompt_tokens_share_per_replica"])
-        lines.append(f"| {row['policy']} | {_ms(s['ttft_s']['p50'])} | {_ms(s['ttft_s']['p90'])} | "
-                     f"{_ms(s['e2e_s']['p50'])} | {s['output_tokens_per_s']:.1f} | {s['goodput']['fraction']:.2f} | "
+        lines.append(f"| {row['policy']} | {as_ms(s['ttft_s']['p50'])} | {as_ms(s['ttft_s']['p90'])} | "
+                     f"{as_ms(s['e2e_s']['p50'])} | {s['output_tokens_per_s']:.1f} | {s['goodput']['fraction']:.2f} | "
                      f"{cache['hit_rate']:.1%} | {split} | {s['failed']} |")
     return "\n".join(lines)
 
@@ -127,7 +128,8 @@ TTFT p50 of each policy against `prefix_aware`: {', '.join(ratios) or 'n/a'} (hi
 """
 
 
-def _ms(seconds: float | None) -> str:
+def as_ms(seconds: float | None) -> str:
+    """Seconds as a table cell of milliseconds (shared with `shunter bench lora`)."""
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 

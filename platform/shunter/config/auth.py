@@ -61,8 +61,11 @@ class ApiKeyConfig(KeySourceConfig):
 
     models: list[str] = Field(
         default_factory=list,
-        description="Models (names or aliases) this key may use; empty = every model. /v1/models lists only "
-        "these to the key; others answer 403.",
+        description="Models (names or aliases) this key may use; empty = every model. LoRA adapters are named "
+        "like models (`<adapter>` or `<model>:<adapter>`); `<model>:*` allows every adapter of a model, those "
+        "added through the admin API too (the model itself only if listed). /v1/models lists only these to "
+        "the key; others answer 403. With `tokens_per_minute`, a key limited to one adapter is that "
+        "adapter's quota.",
     )
     requests_per_minute: int | None = Field(
         default=None, ge=1, description="Requests per minute this key may send; null = unlimited."

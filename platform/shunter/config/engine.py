@@ -27,7 +27,7 @@ _OWNED_ENGINE_ARGS = {
     "enforce_eager": "engine.enforce_eager",
     "seed": "engine.seed",
     "distributed_executor_backend": "(chosen by the platform from the accelerator)",
-    "enable_lora": "adapters",
+    "enable_lora": "engine.enable_lora",
     "max_loras": "engine.max_loras",
     "max_lora_rank": "engine.max_lora_rank",
     "max_cpu_loras": "engine.max_cpu_loras",
@@ -80,6 +80,11 @@ class EngineConfig(StrictModel):
         description="Disable CUDA graphs / torch.compile. null = eager on CPU (fast start), graphs on GPU.",
     )
     seed: int = Field(default=0, description="Engine seed; requests may still pass their own `seed`.")
+    enable_lora: bool | None = Field(
+        default=None,
+        description="Run the engine with LoRA, so that adapters can be served (from `adapters`, or added "
+        "through the admin API while it runs). null = on when the model lists `adapters`.",
+    )
     max_loras: int = Field(
         default=4, ge=1, le=256,
         description="With `adapters`: LoRA adapters the engine runs at once (vLLM's max_loras); others wait in "

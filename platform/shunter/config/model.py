@@ -203,20 +203,41 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _adapters_fit(self) -> ModelConfig:
+        if self.task == "embed" and (self.adapters or any(e.enable_lora for e in self.engines())):
+            raise ValueError("adapters: LoRA adapters serve generate models; an embed model takes none")
         if not self.adapters:
             return self
-        if self.task == "embed":
-            raise ValueError("adapters: LoRA adapters serve generate models; an embed model takes none")
+        if any(e.enable_lora is False for e in self.engines()):
+            raise ValueError("adapters: the model lists adapters, and its engine.enable_lora is false")
         names = [a.name for a in self.adapters]
         if len(set(names)) != len(names):
             raise ValueError(f"adapters: names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
         for i, adapter in enumerate(self.adapters):
             rank = adapter.rank()
-            for engine in [self.engine, *(v.engine for v in self.versions)]:
+            for engine in self.engines():
                 if rank is not None and rank > engine.max_lora_rank:
                     raise ValueError(f"adapters[{i}] ({adapter.name}): rank {rank} is above engine.max_lora_rank "
                                      f"{engine.max_lora_rank}; raise engine.max_lora_rank to at least {rank}")
         return self
+
+    def engines(self) -> list[EngineConfig]:
+        """The engine settings of the model and of each of its versions."""
+        return [self.engine, *(v.engine for v in self.versions)]
+
+    @property
+    def lora(self) -> bool:
+        """Whether the model's engines run with LoRA (adapters can be served)."""
+        return self.task == "generate" and (self.engine.enable_lora or
+                                            (self.engine.enable_lora is None and bool(self.adapters)))
+
+    def adapters_fingerprint(self) -> str:
+        """Identifies what the file says about this model's adapters: adapters added or removed through
+        the admin API hold while it still says the same (and the model's versions are the same)."""
+        import hashlib
+        import json
+
+        data = {"model": self.fingerprint, "adapters": [a.model_dump(mode="json") for a in self.adapters]}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def find_adapter(self, name: str) -> AdapterConfig | None:
         for adapter in self.adapters:

@@ -63,10 +63,12 @@ class ShunterConfig(StrictModel):
             self._check_tiers(self.tiers, seen)
         self._check_timeouts()
         for key in self.auth.keys:
-            unknown = [m for m in key.models if self.find_model(m) is None and self.find_adapter(m) is None]
+            unknown = [m for m in key.models if self.find_model(m) is None and self.find_adapter(m) is None
+                       and not self._all_adapters_of(m)]
             if unknown:
-                raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models, aliases or "
-                                 f"adapters; served: {[m.name for m in self.models]}")
+                raise ValueError(f"auth.keys[{key.name}].models: {unknown} are not served models, aliases, "
+                                 f"adapters or `<model>:*` of a model that runs LoRA; served: "
+                                 f"{[m.name for m in self.models]}")
         return self
 
     def _check_timeouts(self) -> None:
@@ -117,6 +119,12 @@ class ShunterConfig(StrictModel):
             if name in model.names:
                 return model
         return None
+
+    def _all_adapters_of(self, name: str) -> bool:
+        """Whether `name` is `<model>:*` (every adapter of the model) for a model that runs LoRA."""
+        base_name, colon, star = name.rpartition(":")
+        base = self.find_model(base_name) if colon and star == "*" else None
+        return base is not None and base.lora
 
     def find_adapter(self, name: str) -> tuple[ModelConfig, AdapterConfig] | None:
         """The (base model, adapter) that `name` names: an adapter's own name, or `<base>:<adapter>` (the

@@ -9,6 +9,11 @@ from pydantic import Field, model_validator
 
 from shunter.config.base import StrictModel
 
+# Loading a LoRA adapter, in prompt tokens to prefill: a rank-8 SmolLM2 adapter loaded in 226 ms on a
+# 2-core machine whose engine prefilled 986 tokens/s, 223 tokens (`shunter bench lora`, 2026-11-26; the
+# machines vary by about 30%). A bigger model prefills slower and loads bigger adapters: measure yours.
+ADAPTER_LOAD_TOKENS = 256
+
 
 class BreakerConfig(StrictModel):
     """Per-replica circuit breaker, kept by each gateway replica for the replicas it sends to.
@@ -63,6 +68,14 @@ class RoutingConfig(StrictModel):
         "prefill. A replica is chosen by least (prefill queued there + prompt tokens it lacks x (1 + requests "
         "in flight there) + load_cost_tokens x requests in flight), so a cached prefix keeps its replica "
         "until the queue there costs more than a cold prefill elsewhere, up to `max_load_gap`.",
+    )
+    adapter_load_tokens: int = Field(
+        default=ADAPTER_LOAD_TOKENS,
+        ge=0,
+        description="prefix_aware, models with LoRA adapters: what loading an adapter costs a replica, in "
+        "prompt tokens to prefill (its engine stalls while it loads). A replica that does not hold the "
+        "adapter a request names costs this much more, times (1 + requests in flight there). The default "
+        "is measured: `shunter bench lora` prints the load time and prefill rate it comes from.",
     )
     max_load_gap: int = Field(
         default=8,

@@ -10,12 +10,14 @@
   gets them again); the last routable replica is not drained without `force`; drained with `replace`,
   Ray Serve replaces it once it is idle, and its replacement serves.
 
-This app has its own Ray cluster (two engines of one core each), so it runs after the shared app stops.
+The app (tests/e2e/routing_app.py, two engines of one core each, with keys and LoRA adapters) is shared
+with tests/e2e/test_routing_adapters.py; these requests name the base model only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -26,14 +28,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.local_app import local_app
+from .live import LiveApp
+from .routing_app import ADMIN, APP, MODEL
 
-from .live import LiveApp, wait_ready
-
-MODEL = "smol"
 HEADER = "x-shunter-replica"
 pytestmark = pytest.mark.own_app
-APP = "prefix-routing"
 # About 1,280 tokens (SmolLM2 tokenizer): ten KV blocks of 128 tokens a later request can reuse.
 LONG_PREFIX = " ".join(
     f"Rule {i}: the courier named Zephyr{i} delivers parcel batch {i * 7} to depot {i % 13} before noon."
@@ -42,17 +41,10 @@ LONG_PREFIX = " ".join(
 
 
 @pytest.fixture(scope="module")
-def two_replicas() -> Iterator[tuple[LiveApp, Any]]:
+def two_replicas(routing_live_app) -> Iterator[tuple[LiveApp, Any]]:
     from ray import serve
 
-    args = {"models": [{
-        "name": MODEL, "source": "builtin:smollm2-135m-instruct", "replicas": 2, "cpu_cores_per_replica": 1,
-        "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
-    }]}
-    with local_app(args, APP, keep_cluster=True) as base:
-        app = LiveApp(base_url=base)
-        wait_ready(app.base_url)
-        yield app, serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)
+    yield routing_live_app, serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)
 
 
 def _ask(client: Any, system: str, question: str) -> str:
@@ -122,22 +114,25 @@ def test_a_hot_prefix_spreads_when_its_replica_queues_up(two_replicas):
     assert most >= 9, f"the replica that caches the prefix should still take the larger share: {served}"
 
 
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
 def _replicas(app: LiveApp) -> list[dict[str, Any]]:
-    resp = httpx.get(f"{app.base_url}/admin/models/{MODEL}/replicas", timeout=60)
+    resp = httpx.get(f"{app.base_url}/admin/models/{MODEL}/replicas", headers=ADMIN_HEADERS, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()["replicas"]
 
 
 def _cli(app: LiveApp, *args: str) -> str:
     done = subprocess.run([sys.executable, "-m", "shunter.cli", *args, "--url", app.base_url], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={**os.environ, "SHUNTER_ADMIN_KEY": ADMIN})
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
 def _drain(app: LiveApp, replica: str, method: str = "POST", **body: Any) -> httpx.Response:
     return httpx.request(method, f"{app.base_url}/admin/models/{MODEL}/replicas/{replica}/drain",
-                         json=body if method != "DELETE" else None, timeout=60)
+                         json=body if method != "DELETE" else None, headers=ADMIN_HEADERS, timeout=60)
 
 
 def test_an_operator_drains_a_replica_and_ray_serve_replaces_it_once_idle(two_replicas):
