@@ -31,7 +31,7 @@ router = APIRouter()
 
 @router.get("/admin/models/{model_id:path}/adapters")
 async def list_adapters(model_id: str, request: Request, gw: Parts) -> Response:
-    """The model's adapters (from the config, or added through this API) and, as this gateway's routers
+    """The model's adapters (from the config, its adapter_dirs, or this API) and, as this gateway's routers
     believe, the replicas whose engines hold each."""
     gw.access.admin(request.headers)
     model = admin_model(gw, model_id)
@@ -123,15 +123,16 @@ async def start_adapter_rollout(model_id: str, name: str, request: Request, gw: 
 async def adapter_rollout_status(model_id: str, name: str, request: Request, gw: Parts) -> Response:
     """The adapter's versions (by directory), their live weights, and its latest rollout."""
     gw.access.admin(request.headers)
-    adapter = _admin_adapter(gw, admin_model(gw, model_id), name)
-    await gw.traffic.refresh_now()
-    return JSONResponse(_adapter_rollout_status(gw, adapter))
+    model = admin_model(gw, model_id)
+    await gw.traffic.refresh_now()  # before the lookup: a rollout just promoted has moved the adapter's files
+    return JSONResponse(_adapter_rollout_status(gw, _admin_adapter(gw, model, name)))
 
 
 @router.post("/admin/models/{model_id:path}/adapters/{name}/rollout/{action}")
 async def adapter_rollout_action(model_id: str, name: str, action: str, request: Request, gw: Parts) -> Response:
     """`pause`, `resume` or `rollback` the adapter's rollout."""
     gw.access.admin(request.headers)
+    await gw.body.read_json(request, optional=True)  # JSON or nothing: never a cross-site form
     adapter = _admin_adapter(gw, admin_model(gw, model_id), name)
     if action not in ("pause", "resume", "rollback"):
         raise ApiError(404, f"no rollout action {action!r}; use pause, resume or rollback", code="not_found")

@@ -1,6 +1,7 @@
-"""The LoRA adapters a gateway serves now: each model's configured `adapters`, with an operator's
-additions and removals through the admin API on top (kept in the cluster's control state, so every
-gateway replica sees them within a second: `shunter.deployments.traffic` reads it).
+"""The LoRA adapters a gateway serves now: those found in each model's `adapter_dirs` (scanned every
+SCAN_EVERY_S), its configured `adapters` over them, and an operator's additions and removals through the
+admin API on top (kept in the cluster's control state, so every gateway replica sees them within a
+second: `shunter.deployments.traffic` reads it).
 
 A request names an adapter by its own name or as `<model>:<adapter>` (the model by its name or an
 alias). The gateway hands the replica the adapter's directory with each request for it, so a replica
@@ -17,19 +18,28 @@ adapter's directory becomes the new one.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from shunter.config import ModelConfig, ShunterConfig
+from shunter.config.adapters import ADAPTER_NAME_PATTERN, AdapterConfig
 from shunter.errors import ApiError
 from shunter.ops.control import adapter_changes
 from shunter.ops.rollout import Phase
 from shunter.replica_protocol import AdapterRoute
 from shunter.routing.versions import choose_version
 
+log = logging.getLogger("ray.serve")
+
 # Adapters one model may serve, config and admin API together: it bounds the `adapter` label of the
 # metrics (shunter.metric_catalog) as well as the gateway's and replicas' tables.
 MAX_ADAPTERS_PER_MODEL = 1000
+SCAN_EVERY_S = 10.0  # how often `adapter_dirs` are listed again
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,7 @@ class Adapter:
     base: ModelConfig
     name: str
     source: str
-    origin: str  # "config" | "admin"
+    origin: str  # "config" | "scan" (found in adapter_dirs) | "admin"
 
     def card(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.base.name, "source": self.source, "origin": self.origin,
@@ -65,8 +75,12 @@ class _Split:
 
 
 class LiveAdapters:
-    def __init__(self, config: ShunterConfig):
+    def __init__(self, config: ShunterConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self._clock = clock
+        self._scanned: dict[str, dict[str, str]] = {}  # model -> what its adapter_dirs held at the last scan
+        self._scanned_at: float | None = None
+        self._skipped: set[str] = set()  # directories already warned about
         self._by_model: dict[str, dict[str, Adapter]] = {}
         self._by_name: dict[str, Adapter] = {}
         self._splits: dict[str, _Split] = {}  # rollout key -> the traffic split of a rollout under way
@@ -75,11 +89,16 @@ class LiveAdapters:
     def refresh(self, state: dict[str, Any]) -> None:
         """The control state was read: apply the operators' changes over the config (a new table is
         swapped in whole, so a request never sees half of it)."""
+        now = self._clock()
+        if self._scanned_at is None or now - self._scanned_at >= SCAN_EVERY_S:
+            self._scanned_at = now
+            self._scanned = {m.name: self._scan(m) for m in self.config.models if m.adapter_dirs}
         by_model: dict[str, dict[str, Adapter]] = {}
         for model in self.config.models:
             if not model.lora:
                 continue
-            table = {a.name: Adapter(model, a.name, a.source, "config") for a in model.adapters}
+            table = {name: Adapter(model, name, source, "scan") for name, source in self._scanned.get(model.name, {}).items()}
+            table.update({a.name: Adapter(model, a.name, a.source, "config") for a in model.adapters})
             for name, source in adapter_changes(state, model.name, model.adapters_fingerprint()).items():
                 if source is None:
                     table.pop(name, None)
@@ -125,6 +144,44 @@ class LiveAdapters:
                 "fingerprint": adapter.base.adapters_fingerprint(), "versions": [old, new],
                 "file_weights": [[old, 100.0]], "sources": {old: adapter.source, new: source},
                 "deployments": {}, "ready_replicas": 0, "rollout": adapter.base.rollout.model_dump(mode="json")}
+
+    def _scan(self, model: ModelConfig) -> dict[str, str]:
+        """The adapters in `model`'s adapter_dirs: name -> directory. A subdirectory whose name cannot be an
+        adapter's, or is another model's or adapter's, or whose rank the engine cannot take, is skipped
+        (with one warning)."""
+        others = {n for m in self.config.models for n in m.names} | {
+            a.name for m in self.config.models if m is not model for a in m.adapters}
+        found: dict[str, str] = {}
+        known = self._scanned.get(model.name, {})  # checked at an earlier scan: not read again
+        for folder in model.adapter_dirs:
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError as exc:
+                self._skip(folder, f"cannot be listed: {exc}")
+                continue
+            for entry in entries:
+                if not os.path.isfile(os.path.join(entry.path, "adapter_config.json")) or entry.name in found:
+                    continue
+                if known.get(entry.name) == entry.path:
+                    found[entry.name] = entry.path
+                    continue
+                rank = AdapterConfig.model_construct(name=entry.name, source=entry.path).rank()
+                if not re.match(ADAPTER_NAME_PATTERN, entry.name) or len(entry.name) > 128:
+                    self._skip(entry.path, "its name cannot be an adapter's")
+                elif entry.name in others:
+                    self._skip(entry.path, f"{entry.name!r} is another model's, alias's or adapter's name")
+                elif rank is not None and any(rank > e.max_lora_rank for e in model.engines()):
+                    self._skip(entry.path, f"its rank {rank} is above engine.max_lora_rank")
+                elif len(found) + len(model.adapters) < MAX_ADAPTERS_PER_MODEL:
+                    found[entry.name] = entry.path
+                else:
+                    self._skip(entry.path, f"the model serves {MAX_ADAPTERS_PER_MODEL} adapters, the most one may")
+        return found
+
+    def _skip(self, path: str, why: str) -> None:
+        if path not in self._skipped:
+            self._skipped.add(path)
+            log.warning("adapter_dirs: %s is not served: %s", path, why)
 
     def find(self, name: str) -> Adapter | None:
         """The adapter `name` names: its own name, or `<model>:<adapter>`."""

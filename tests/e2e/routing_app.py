@@ -10,7 +10,8 @@ adapters are made when the app starts (shunter.bench.lora_adapters): four seeded
 the admin API adds it, and one whose weights are garbage.
 
 Keys come from key files (the keyed app, tests/e2e/keyed_app.py, shows the environment-variable way):
-one for everything, one limited to one adapter, one for every adapter of the model (`smol:*`).
+one for everything, one limited to one adapter, one for every adapter of the model (`smol:*`). One more
+adapter is not in the config at all: the gateway finds it in the model's `adapter_dirs`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ APP = "routing-e2e"
 MODEL = "smol"
 ADAPTERS = ("legal", "medical", "finance", "travel")  # served from the start
 ADDED = "poetry"  # made at the start, served only once a test adds it through the admin API
+SCANNED = "support"  # not in the config: found in its adapter_dirs
 BROKEN = "broken"  # its adapter_config.json is fine (so the config takes it), its weights are not
 FULL, LEGAL_ONLY, TUNERS, ADMIN = new_key(), new_key(), new_key(), new_key()
 ADAPTER_DIRS: dict[str, str] = {}  # name -> directory, filled when the app starts
@@ -88,6 +90,7 @@ def args(secrets: Path, adapters: dict[str, str]) -> dict[str, Any]:
             "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1,
                        "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
             "adapters": [{"name": n, "source": adapters[n]} for n in (*ADAPTERS, BROKEN)],
+            "adapter_dirs": [str(Path(adapters[SCANNED]).parent)],
         }],
         "auth": {
             "keys": [{"name": "full", "key_file": key_file("full", FULL)},
@@ -105,7 +108,9 @@ def make_adapters(base: str, folder: Path) -> dict[str, str]:
     made = {name: make_adapter(base, folder / name, seed=seed) for seed, name in enumerate((*ADAPTERS, ADDED), 1)}
     broken = make_adapter(base, folder / BROKEN, seed=99)
     (Path(broken) / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    return {**made, BROKEN: broken}
+    (folder / "scanned").mkdir()
+    scanned = make_adapter(base, folder / "scanned" / SCANNED, seed=7)
+    return {**made, BROKEN: broken, SCANNED: scanned}
 
 
 @contextmanager

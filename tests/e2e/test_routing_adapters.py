@@ -6,8 +6,10 @@ so each engine holds one adapter at a time):
   in turn);
 - repeated requests for an adapter go to the replica whose engine holds it (its own load counters say it
   loaded the adapter once, the other replica never), and a burst for one adapter spreads over both;
+- an adapter found in the model's adapter_dirs is served like a configured one;
 - an operator adds an adapter through the admin API and it serves at once (as vLLM answers for it), then
-  removes it and it is a 404; bad additions are refused with the reason;
+  removes it and it is a 404; bad additions are refused with the reason; an adapter rolls out to new
+  files behind the gates and is promoted;
 - a broken adapter is a 422 and the replica keeps serving; a key limited to one adapter gets 403 for the
   others and the base, a key for `smol:*` uses every adapter, the added one too, but not the base.
 """
@@ -33,6 +35,7 @@ from .routing_app import (
     LEGAL_ONLY,
     MODEL,
     QUESTION,
+    SCANNED,
     TOKENS,
     TUNERS,
     reference_answers,
@@ -82,9 +85,10 @@ def models_listed(app, key: str = FULL) -> dict[str, Any]:
     return {card["id"]: card.get("parent") for card in cards["data"]}
 
 
-def test_adapters_are_listed_with_their_base(app):
+def test_adapters_are_listed_with_their_base_those_found_in_adapter_dirs_too(app):
     parents = models_listed(app)
-    assert parents == {MODEL: None, **{name: MODEL for name in (*ADAPTERS, BROKEN)}}, parents
+    assert parents == {MODEL: None, **{name: MODEL for name in (*ADAPTERS, BROKEN, SCANNED)}}, parents
+    assert ask(app, SCANNED).json()["model"] == SCANNED
 
 
 def test_each_adapter_answers_as_vllm_itself_does_with_more_adapters_than_the_replicas_hold(app, reference):

@@ -140,3 +140,34 @@ def test_what_an_operator_may_add(tmp_path):
         with pytest.raises(ApiError) as refused:
             live.check_addition(model, name)
         assert refused.value.status == 409 and refused.value.code == code, refused.value.message
+
+
+def test_adapters_found_in_adapter_dirs_are_served_and_new_ones_appear_at_the_next_scan(tmp_path):
+    from shunter.deployments.adapters import SCAN_EVERY_S, LiveAdapters
+    from tests.unit.fake_clock import Clock
+
+    folder = tmp_path / "tunes"
+    folder.mkdir()
+    _adapter_dir(folder, "support")
+    _adapter_dir(folder, "chat")  # the model's own name: skipped
+    _adapter_dir(folder, "too-big", rank=64)  # above engine.max_lora_rank 16: skipped
+    (folder / "not-an-adapter").mkdir()
+    (folder / "bad name").mkdir()
+    (folder / "bad name" / "adapter_config.json").write_text("{}")
+    cfg = parse_config({"models": [{"name": "chat", "source": "builtin:smollm2-135m-instruct",
+                                    "adapters": [{"name": "legal", "source": _adapter_dir(tmp_path, "legal")}],
+                                    "adapter_dirs": [str(folder)]}]})
+    model = cfg.models[0]
+    assert model.lora
+    clock = Clock(100.0)
+    live = LiveAdapters(cfg, clock=clock)
+    assert [(a.name, a.origin) for a in live.of(model)] == [("legal", "config"), ("support", "scan")]
+    _adapter_dir(folder, "billing")
+    live.refresh({})
+    assert live.find("billing") is None, "not before the next scan"
+    clock.now += SCAN_EVERY_S
+    live.refresh({})
+    assert live.find("chat:billing").source == str(folder / "billing")
+    with pytest.raises(Exception, match="not directories"):
+        parse_config({"models": [{"name": "c", "source": "builtin:smollm2-135m-instruct",
+                                  "adapter_dirs": [str(tmp_path / "nowhere")]}]})

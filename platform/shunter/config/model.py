@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -107,6 +108,12 @@ class ModelConfig(StrictModel):
         "`<model>:<adapter>`), loaded on first use (engine.max_loras, engine.max_lora_rank, "
         "engine.max_cpu_loras).",
     )
+    adapter_dirs: list[str] = Field(
+        default_factory=list,
+        description="Generate models: directories the gateways scan (every 10 s) for more LoRA adapters: each "
+        "subdirectory holding an adapter_config.json is an adapter named after it, on every node that runs "
+        "a replica. Names the model already uses (its `adapters`, other models and aliases) are skipped.",
+    )
     serving: ServingConfig = Field(
         default_factory=ServingConfig,
         description="Generate models: vLLM's frontend options that shape the API (tool call and reasoning "
@@ -201,15 +208,26 @@ class ModelConfig(StrictModel):
                 serving.tool_call_parser = parsers.pop()
         return self
 
+    @field_validator("adapter_dirs")
+    @classmethod
+    def _adapter_dirs_exist(cls, dirs: list[str]) -> list[str]:
+        missing = [d for d in dirs if not Path(d).expanduser().is_dir()]
+        if missing:
+            raise ValueError(f"{missing} are not directories")
+        return [str(Path(d).expanduser().resolve()) for d in dirs]
+
     @model_validator(mode="after")
     def _adapters_fit(self) -> ModelConfig:
-        if self.task == "embed" and (self.adapters or any(e.enable_lora for e in self.engines())):
+        if self.task == "embed" and (self.adapters or self.adapter_dirs or any(e.enable_lora for e in self.engines())):
             raise ValueError("adapters: LoRA adapters serve generate models; an embed model takes none")
-        if not self.adapters:
+        if not self.adapters and not self.adapter_dirs:
             return self
         if any(e.enable_lora is False for e in self.engines()):
-            raise ValueError("adapters: the model lists adapters, and its engine.enable_lora is false")
+            raise ValueError("adapters: the model lists adapters or adapter_dirs, and its engine.enable_lora is "
+                             "false")
         names = [a.name for a in self.adapters]
+        if len(names) > 1000:  # deployments/adapters.py MAX_ADAPTERS_PER_MODEL: it bounds a metric label
+            raise ValueError(f"adapters: {len(names)} listed; a model serves at most 1000")
         if len(set(names)) != len(names):
             raise ValueError(f"adapters: names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
         for i, adapter in enumerate(self.adapters):
@@ -227,8 +245,8 @@ class ModelConfig(StrictModel):
     @property
     def lora(self) -> bool:
         """Whether the model's engines run with LoRA (adapters can be served)."""
-        return self.task == "generate" and (self.engine.enable_lora or
-                                            (self.engine.enable_lora is None and bool(self.adapters)))
+        return self.task == "generate" and (self.engine.enable_lora or (
+            self.engine.enable_lora is None and bool(self.adapters or self.adapter_dirs)))
 
     def adapters_fingerprint(self) -> str:
         """Identifies what the file says about this model's adapters: adapters added or removed through
@@ -236,7 +254,8 @@ class ModelConfig(StrictModel):
         import hashlib
         import json
 
-        data = {"model": self.fingerprint, "adapters": [a.model_dump(mode="json") for a in self.adapters]}
+        data = {"model": self.fingerprint, "adapters": [a.model_dump(mode="json") for a in self.adapters],
+                "adapter_dirs": self.adapter_dirs}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def find_adapter(self, name: str) -> AdapterConfig | None:
