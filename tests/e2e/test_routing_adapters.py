@@ -122,7 +122,7 @@ def test_an_adapters_requests_go_where_it_is_loaded_and_a_burst_spreads(app):
 
         async def one(q: int) -> str:
             raw = await client.chat.completions.with_raw_response.create(
-                model="medical", max_tokens=48, temperature=0,
+                model="medical", max_tokens=32, temperature=0,
                 messages=[{"role": "user", "content": f"Describe symptom number {q}."}])
             return raw.headers[HEADER]
 
