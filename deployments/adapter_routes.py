@@ -8,6 +8,7 @@ cluster's state for every gateway.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from shunter.adapter_sources import AdapterSourceError, is_remote, remote_adapter_config
 from shunter.config import ModelConfig, RolloutConfig, format_config_error
 from shunter.deployments.adapters import Adapter
 from shunter.deployments.admin_routes import admin_model, control_call
@@ -27,6 +29,9 @@ from shunter.errors import ApiError
 log = logging.getLogger("ray.serve")
 
 router = APIRouter()
+# Reading a remote adapter's adapter_config.json at the door: a store slower than this is reported, not
+# waited for (the admin call would otherwise hang on a blackholed endpoint).
+REMOTE_CHECK_TIMEOUT_S = 20.0
 
 
 @router.get("/admin/models/{model_id:path}/adapters")
@@ -45,7 +50,7 @@ async def list_adapters(model_id: str, request: Request, gw: Parts) -> Response:
 
 @router.post("/admin/models/{model_id:path}/adapters", openapi_extra=request_body(AdapterBody))
 async def add_adapter(model_id: str, request: Request, gw: Parts) -> Response:
-    """Body: {"name": ..., "source": the adapter's directory}. Serves a new adapter of the model, or new
+    """Body: {"name": ..., "source": the adapter's directory or object-store folder}. Serves a new adapter of the model, or new
     files for one it serves (201 / 200), on every gateway within a second; each replica loads it when
     first asked. Its rank must fit the model's engine.max_lora_rank."""
     gw.access.admin(request.headers)
@@ -56,7 +61,7 @@ async def add_adapter(model_id: str, request: Request, gw: Parts) -> Response:
     if current is not None and gw.adapters.rolling_out(current):
         raise ApiError(409, f"adapter {body.name!r} has a rollout under way; wait for it or roll it back first",
                        param="name", code="rollout_refused")
-    rank = body.rank()
+    rank = await _rank_of(body)
     too_small = [e.max_lora_rank for e in model.engines() if rank is not None and rank > e.max_lora_rank]
     if too_small:
         raise ApiError(400, f"adapter {body.name!r} has rank {rank}, above the model's engine.max_lora_rank "
@@ -102,7 +107,7 @@ async def start_adapter_rollout(model_id: str, name: str, request: Request, gw: 
     except ValidationError as exc:
         return error_response(400, format_config_error(exc, AdapterConfig).replace("\n", " "), param="source",
                               code="invalid_adapter")
-    rank = new.rank()
+    rank = await _rank_of(new)
     if rank is not None and any(rank > e.max_lora_rank for e in model.engines()):
         return error_response(400, f"the new version has rank {rank}, above the model's engine.max_lora_rank",
                               param="source", code="adapter_rank_too_high")
@@ -163,6 +168,24 @@ def _admin_adapter(gw: GatewayParts, model: ModelConfig, name: str) -> Adapter:
     if adapter is None:
         raise ApiError(404, f"model {model.name!r} has no adapter {name!r}", param="name", code="adapter_not_found")
     return adapter
+
+
+async def _rank_of(adapter: Any) -> int | None:
+    """The adapter's LoRA rank. An adapter in an object store has its adapter_config.json read from the
+    store now, with this gateway's credentials: a missing or unreadable source is a 400 to the operator
+    here rather than a 422 to the first client that asks for it."""
+    if not is_remote(adapter.source):
+        return adapter.rank()
+    try:
+        config = await asyncio.wait_for(asyncio.to_thread(remote_adapter_config, adapter.source),
+                                        REMOTE_CHECK_TIMEOUT_S)
+    except AdapterSourceError as exc:
+        raise ApiError(400, str(exc), param="source", code="adapter_source_unreadable") from None
+    except asyncio.TimeoutError:
+        raise ApiError(400, f"{adapter.source} did not answer within {REMOTE_CHECK_TIMEOUT_S:.0f}s", param="source",
+                       code="adapter_source_unreadable") from None
+    rank = config.get("r")
+    return rank if isinstance(rank, int) else None
 
 
 async def _set_adapter(gw: GatewayParts, model: ModelConfig, name: str, source: str | None) -> Response | None:

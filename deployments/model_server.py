@@ -311,7 +311,7 @@ def _adapter_stats(engine: Any, with_loads: bool = False) -> dict[str, Any]:
     adapters = getattr(engine, "adapters", None)
     if adapters is None:
         return {}
-    held = {"adapters": adapters.held(), "adapter_capacity": adapters.capacity}
+    held = {"adapters": adapters.held(), "adapter_capacity": adapters.capacity, "adapter_slots": adapters.slots}
     if with_loads:
         held.update(adapter_loads=dict(adapters.loads), adapter_load_seconds=adapters.load_seconds)
     return held

@@ -8,6 +8,10 @@ dominant work on a cache miss). Sending a request to replica r costs
   + load_cost_tokens x load(r)      decode steps it shares with the requests in flight there
   + adapter_load_tokens x (1 + load(r))   only if it asks for a LoRA adapter r's engine does not hold:
                                     loading it stalls the engine's steps, so everyone on r waits for it
+  + adapter_busy_tokens x waits(r)  with LoRA adapters: r's engine mixes at most max_loras adapters in a
+                                    batch, so a request for one more waits its turn (1 + adapters held
+                                    back there already), and one for a running adapter keeps the
+                                    held-back adapters waiting (one turn each)
 
 A decoding request slows a newcomer by little; a queued cold prefill delays it by the whole prefill; and
 a cold prefill sent to a busy replica delays everyone there. Counting the last term is what keeps a
@@ -21,6 +25,8 @@ load, a cache miss costs the whole replica, not only the request. The cheapest r
   the prefix too;
 - an adapter's requests stay where it is loaded while loading it elsewhere costs more than the queue
   there, and a burst for one adapter spreads (the second replica then holds it too);
+- a request for an adapter avoids a replica whose adapter slots other adapters' requests hold, while a
+  replica with a free slot can take it, and it does not starve adapters held back where its own runs;
 - `max_load_gap` bounds the imbalance outright: a replica carrying more than that many requests beyond
   the least loaded one is only ranked after every replica within the gap.
 
@@ -46,6 +52,7 @@ class Candidate:
     matched: int = 0  # leading prefix chunks the replica is believed to hold
     pending: int = 0  # prompt tokens sent to the replica and not yet prefilled (no first byte back yet)
     has_adapter: bool = True  # the replica's engine holds the request's LoRA adapter (or it names none)
+    adapter_waits: int = 0  # turns waited for an adapter slot, or made others wait (DeploymentRouting.adapter_waits)
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ def rank_prefix_aware(
     max_load_gap: int,
     rng: random.Random,
     adapter_load_tokens: int = 0,
+    adapter_busy_tokens: int = 0,
 ) -> Ranking:
     if not candidates:
         return Ranking((), LEAST_LOADED, 0.0)
@@ -78,7 +86,8 @@ def rank_prefix_aware(
 
     def cost(c: Candidate) -> tuple[int, int, float]:
         missing = key.uncached_tokens(c.matched) + (0 if c.has_adapter else adapter_load_tokens)
-        return c.pending + missing * (1 + c.load) + load_cost_tokens * c.load, c.load, rng.random()
+        waiting = adapter_busy_tokens * c.adapter_waits
+        return c.pending + missing * (1 + c.load) + load_cost_tokens * c.load + waiting, c.load, rng.random()
 
     order = sorted(within, key=cost) + sorted(beyond, key=lambda c: (c.load, rng.random()))
     best, most = order[0], max(c.matched for c in candidates)

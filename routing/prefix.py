@@ -9,7 +9,9 @@ blocks. This approximates the engine's token blocks without tokenizing in the ro
 load or keep in step with the replica's), at the cost of block edges not lining up with token edges.
 
 Memory: `PrefixIndex` keeps per replica an LRU set of keys bounded by that replica's real KV capacity
-in blocks (reported by the replica), so belief never outgrows what the engine could hold. A routed
+in blocks (reported by the replica), so belief never outgrows what the engine could hold. In precise
+mode the replica also reports which of these keys its engine's blocks really hold (it translates its
+engine's KV events into them: `shunter.kv_events`), and that report replaces belief. A routed
 request touches its keys from last to first: the first chunks are the most recent, so eviction drops
 tails before heads, the order in which vLLM frees a finished request's blocks. Replicas that leave are
 dropped whole. Everything is local to the router's process: no remote call on the routing path.
@@ -105,12 +107,40 @@ def prefix_key(text: str, block_size: int) -> PrefixKey:
 
 
 class PrefixIndex:
-    """Per replica: the prefix keys it is believed to hold, an LRU bounded by its KV capacity."""
+    """Per replica: the prefix keys it is believed to hold.
 
-    def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS):
+    Approximate (no report from the replica): an LRU of the keys sent there, bounded by its KV capacity.
+    Precise (`reported`): the replica's own report of the keys its engine's blocks really hold (from the
+    engine's KV events, `shunter.kv_events`), and on top of it the keys sent there since, for
+    `speculation_s`: a request's blocks reach a report only after its prefill and the next stats poll, and
+    until then the router counts them as if they had. An eviction, a restart or another gateway's traffic
+    shows at the next report; nothing older than a report is believed beyond it."""
+
+    def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS, speculation_s: float = 10.0):
         self.default_capacity = default_capacity
-        self._held: dict[str, OrderedDict[bytes, None]] = {}
+        self.speculation_s = speculation_s
+        self._held: dict[str, OrderedDict[bytes, float]] = {}  # key -> when it was last sent there
         self._capacity: dict[str, int] = {}
+        self._reported: dict[str, frozenset[bytes]] = {}  # precise replicas: what their engines hold
+
+    def reported(self, replica: str, keys: Iterable[bytes], now: float) -> None:
+        """The replica's report of the keys its engine holds: the truth from now on, with what was sent
+        there within `speculation_s` (not in a report yet) on top."""
+        self._reported[replica] = frozenset(keys)
+        held = self._held.get(replica)
+        cutoff = now - self.speculation_s
+        while held and next(iter(held.values())) < cutoff:  # oldest first: record() moves keys to the end
+            held.popitem(last=False)
+
+    def unreported(self, replica: str) -> None:
+        """The replica's view is not exact any more (events lost, engine restarted): back to predicting."""
+        self._reported.pop(replica, None)
+
+    def is_precise(self, replica: str) -> bool:
+        return replica in self._reported
+
+    def reported_size(self, replica: str) -> int:
+        return len(self._reported.get(replica, ()))
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         self._capacity[replica] = max(1, int(blocks))
@@ -121,23 +151,22 @@ class PrefixIndex:
 
     def matched(self, replica: str, keys: Iterable[bytes]) -> int:
         """How many leading chunks of a request the replica holds (stops at the first gap)."""
-        held = self._held.get(replica)
-        if not held:
-            return 0
+        held = self._held.get(replica) or {}
+        truth = self._reported.get(replica, frozenset())
         count = 0
         for key in keys:
-            if key not in held:
+            if key not in held and key not in truth:
                 break
             count += 1
         return count
 
-    def record(self, replica: str, keys: tuple[bytes, ...]) -> None:
+    def record(self, replica: str, keys: tuple[bytes, ...], now: float = 0.0) -> None:
         """The request went to `replica`: it will hold these chunks (heads most recently used)."""
         if not keys:
             return
         held = self._held.setdefault(replica, OrderedDict())
         for key in reversed(keys):
-            held[key] = None
+            held[key] = now
             held.move_to_end(key)
         self._evict(replica)
 
@@ -148,10 +177,13 @@ class PrefixIndex:
             self.drop(replica)
         for replica in [r for r in self._capacity if r not in keep]:
             del self._capacity[replica]
+        for replica in [r for r in self._reported if r not in keep]:
+            del self._reported[replica]
 
     def drop(self, replica: str) -> None:
         self._held.pop(replica, None)
         self._capacity.pop(replica, None)
+        self._reported.pop(replica, None)
 
     def size(self, replica: str) -> int:
         return len(self._held.get(replica, ()))

@@ -135,7 +135,8 @@ class ShunterGuard:
         adapter = _adapter_of(hint, state)
         # A load the replica must do first stalls it like that much more prefill (routing.adapter_load_tokens).
         load = 0 if adapter is None or state.holds_adapter(replica, adapter) else state.config.adapter_load_tokens
-        self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched) + load)
+        self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched) + load,
+                               adapter=adapter)
         if key.chars:
             metrics.prefix_match(state.model, state.version, min(1.0, matched * key.chunk_chars / key.chars))
         reason = self._reason(pending_request, replica, matched)
@@ -145,14 +146,15 @@ class ShunterGuard:
         if adapter is not None:
             state.record_adapter(replica, adapter)
 
-    def _count_until_done(self, replica: str, request_id: str, result: Any, prefill_tokens: int = 0) -> None:
+    def _count_until_done(self, replica: str, request_id: str, result: Any, prefill_tokens: int = 0,
+                          adapter: str | None = None) -> None:
         """Count the request in flight on `replica` until its call ends. Ray's on_request_completed cannot
         end it: Ray registers that callback before the replica accepts the call and reports the routing
         only after, so a short call (a stats probe, a whole 8-token stream) can complete first, and a count
         taken then would stay for good. A callback added now runs after the count, at once if the call
         already ended. (The gateway also ends its requests itself: DeploymentRouting.finished.)"""
         state = self._shunter
-        state.dispatched(replica, request_id, prefill_tokens)
+        state.dispatched(replica, request_id, prefill_tokens, adapter)
         add_done_callback = getattr(result, "add_done_callback", None)
         if add_done_callback is None:  # not a Ray call (nothing would ever report its end): do not count it
             state.completed(replica, request_id)
@@ -167,10 +169,11 @@ class ShunterGuard:
         cached = self._replica_queue_len_cache.get(replica.replica_id)  # type: ignore[attr-defined]
         return ours if cached is None else max(ours, cached)
 
-    def _reserve(self, pending: PendingRequest | None, order: tuple[str, ...], prefill_tokens: int = 0) -> None:
+    def _reserve(self, pending: PendingRequest | None, order: tuple[str, ...], prefill_tokens: int = 0,
+                 adapter: str | None = None) -> None:
         """Count the request on its first-ranked replica until Ray reports where it went."""
         if pending is not None and order:
-            self._shunter.reserve(pending.metadata.internal_request_id, order[0], prefill_tokens)
+            self._shunter.reserve(pending.metadata.internal_request_id, order[0], prefill_tokens, adapter)
 
     def _by_least_load(self, allowed: list[RunningReplica],
                        pending: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -220,15 +223,16 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
             pending_request._shunter_key = key
         adapter = _adapter_of(hint, state)
         candidates = [Candidate(i, self._load(r), state.matched(i, key.keys), state.pending_prefill(i),
-                                has_adapter=adapter is None or state.holds_adapter(i, adapter))
+                                has_adapter=adapter is None or state.holds_adapter(i, adapter),
+                                adapter_waits=0 if adapter is None else state.adapter_waits(i, adapter))
                       for i, r in by_id.items()]
         ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
-                                    self._rng, state.config.adapter_load_tokens)
+                                    self._rng, state.config.adapter_load_tokens, state.config.adapter_busy_tokens)
         pending_request._shunter_most = max((c.matched for c in candidates), default=0)
         if ranking.order:
             first = next(c for c in candidates if c.replica == ranking.order[0])
             load = 0 if first.has_adapter else state.config.adapter_load_tokens
-            self._reserve(pending_request, ranking.order, key.uncached_tokens(first.matched) + load)
+            self._reserve(pending_request, ranking.order, key.uncached_tokens(first.matched) + load, adapter)
         return [[by_id[i]] for i in ranking.order]
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:

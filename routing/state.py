@@ -39,11 +39,14 @@ class DeploymentRouting:
         self.policy = policy
         self.config = config
         self.block_size = block_size
-        self.prefix = PrefixIndex()
+        # A request's blocks reach a replica's report after its prefill and the next stats poll.
+        self.prefix = PrefixIndex(speculation_s=max(SPECULATION_S, 3 * config.stats_period_s))
+        self._prefix_reports: dict[str, Any] = {}  # replica -> the id of its last prefix report taken
         self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
         self.clock = clock
         self.inflight: dict[str, int] = {}  # replica -> requests in flight there (the size of its flights)
-        self._flights: set[tuple[str, str]] = set()  # (replica, request id) dispatched and not completed
+        # (replica, request id) dispatched and not completed -> the LoRA adapter it names (None: the base model)
+        self._flights: dict[tuple[str, str], str | None] = {}
         self.replicas: set[str] = set()
         self.synced = False  # whether a router has told this process the running replicas yet
         self._departed: dict[str, float] = {}  # replica -> when it left the running set (it is draining)
@@ -51,7 +54,7 @@ class DeploymentRouting:
         self._prefill: dict[str, tuple[str, int]] = {}  # request id -> (replica, tokens not yet prefilled)
         self.pending: dict[str, int] = {}  # replica -> prompt tokens sent and not yet prefilled
         # request -> (replica, prompt tokens, when): chosen by a router and not yet sent (see `reserve`)
-        self._reserved: dict[str, tuple[str, int, float]] = {}
+        self._reserved: dict[str, tuple[str, int, float, str | None]] = {}  # ... and the adapter it names
         self.cordoned: frozenset[str] = frozenset()  # replicas an operator drains: no new requests
         self._finished: set[str] = set()  # request ids the gateway is done with, kept _FINISHED_KEPT_S
         self._finished_order: deque[tuple[float, str]] = deque()
@@ -76,19 +79,19 @@ class DeploymentRouting:
         """Requests in flight on the replica, counting those a router chose it for and is still sending."""
         with self._lock:
             self._expire_reservations()
-            return self.inflight.get(replica, 0) + sum(1 for r, _, _ in self._reserved.values() if r == replica)
+            return self.inflight.get(replica, 0) + sum(1 for r, *_ in self._reserved.values() if r == replica)
 
     def pending_prefill(self, replica: str) -> int:
         with self._lock:
-            return self.pending.get(replica, 0) + sum(t for r, t, _ in self._reserved.values() if r == replica)
+            return self.pending.get(replica, 0) + sum(t for r, t, *_ in self._reserved.values() if r == replica)
 
-    def reserve(self, request_id: str, replica: str, prefill_tokens: int = 0) -> None:
+    def reserve(self, request_id: str, replica: str, prefill_tokens: int = 0, adapter: str | None = None) -> None:
         """A router ranked `replica` first for the request. Ray sends it (and may wait for the replica to
         accept) before `dispatched` counts it, and routes a burst's requests concurrently meanwhile:
         without this, every request of a burst saw the same loads and piled onto one replica. A
         reservation ends when the request is dispatched or ranked again, or after RESERVATION_TTL_S."""
         with self._lock:
-            self._reserved[request_id] = (replica, prefill_tokens, self.clock())
+            self._reserved[request_id] = (replica, prefill_tokens, self.clock(), adapter)
 
     def unreserve(self, request_id: str) -> None:
         with self._lock:
@@ -97,7 +100,7 @@ class DeploymentRouting:
     def _expire_reservations(self) -> None:
         # A request cancelled while Ray routed it is never dispatched; its reservation must not linger.
         cutoff = self.clock() - RESERVATION_TTL_S
-        for request_id in [k for k, (_, _, at) in self._reserved.items() if at < cutoff]:
+        for request_id in [k for k, (_, _, at, _) in self._reserved.items() if at < cutoff]:
             del self._reserved[request_id]
 
     def matched(self, replica: str, keys: tuple[bytes, ...]) -> int:
@@ -106,11 +109,29 @@ class DeploymentRouting:
 
     def record_prefix(self, replica: str, keys: tuple[bytes, ...]) -> None:
         with self._lock:
-            self.prefix.record(replica, keys)
+            self.prefix.record(replica, keys, self.clock())
 
     def holds_adapter(self, replica: str, adapter: str) -> bool:
         with self._lock:
             return self.adapters.holds(replica, adapter)
+
+    def adapter_waits(self, replica: str, adapter: str) -> int:
+        """Turns a request for `adapter` would wait on `replica` for an adapter slot, or make others wait.
+        Its engine runs `max_loras` adapters at once; vLLM's scheduler holds a request for one more back
+        until one of them has no request running, and lets later requests for the running ones go first.
+        So a request for an adapter that is not running waits when the slots are taken (and behind the
+        adapters held back already), and one for a running adapter keeps the held-back ones waiting. Counted
+        from the requests in flight there and those chosen to go there, by the adapters they name."""
+        with self._lock:
+            slots = self.adapters.slots(replica)
+            if not slots:
+                return 0
+            busy = {a for (r, _), a in self._flights.items() if r == replica and a is not None}
+            busy.update(a for r, _, _, a in self._reserved.values() if r == replica and a is not None)
+            held_back = max(0, len(busy) - slots)
+            if adapter in busy:
+                return held_back
+            return held_back + 1 if len(busy) >= slots else 0
 
     def record_adapter(self, replica: str, adapter: str) -> None:
         """A request for `adapter` was sent to `replica`: its engine holds the adapter from now on."""
@@ -133,14 +154,15 @@ class DeploymentRouting:
             self.replicas = current
             self.synced = True
             self.prefix.retain(self.replicas)
+            self._prefix_reports = {r: v for r, v in self._prefix_reports.items() if r in self.replicas}
             self.adapters.retain(self.replicas)
             self.breakers.retain(self.replicas)
             for replica in [r for r in self.inflight if r not in self.replicas]:
                 del self.inflight[replica]
-            self._flights = {f for f in self._flights if f[0] in self.replicas}
+            self._flights = {f: a for f, a in self._flights.items() if f[0] in self.replicas}
             for replica in [r for r in self.pending if r not in self.replicas]:
                 del self.pending[replica]
-            for request_id in [k for k, (r, _, _) in self._reserved.items() if r not in self.replicas]:
+            for request_id in [k for k, (r, *_) in self._reserved.items() if r not in self.replicas]:
                 del self._reserved[request_id]
             for replica, reported in (stats or {}).items():
                 blocks = reported.get("kv_cache_blocks")
@@ -148,8 +170,29 @@ class DeploymentRouting:
                     self.prefix.set_capacity(replica, int(blocks))
                 if reported.get("block_size"):
                     self.block_size = int(reported["block_size"])
+                self._take_prefix_report(replica, reported)
                 if "adapters" in reported:
-                    self.adapters.reported(replica, reported["adapters"], reported.get("adapter_capacity"))
+                    self.adapters.reported(replica, reported["adapters"], reported.get("adapter_capacity"),
+                                           reported.get("adapter_slots"))
+
+    def _take_prefix_report(self, replica: str, reported: dict[str, Any]) -> None:
+        """Precise prefix routing: the keys the replica's engine really holds (`prefix_keys`, from its KV
+        events), each report taken once (Ray hands the same stats again until the next poll)."""
+        if self.config.prefix_source == "approximate" or "prefix_keys" not in reported:
+            return
+        report = reported.get("prefix_report")
+        if report is not None and self._prefix_reports.get(replica) == report:
+            return
+        self._prefix_reports[replica] = report
+        if reported.get("prefix_exact") is False:  # events were lost: its view is being rebuilt
+            self.prefix.unreported(replica)
+            return
+        self.prefix.reported(replica, reported["prefix_keys"] or (), self.clock())
+
+    def prefix_source(self, replica: str) -> str:
+        """How this replica's cache is known: "precise" (its engine's report) or "approximate"."""
+        with self._lock:
+            return "precise" if self.prefix.is_precise(replica) else "approximate"
 
     def departed_at(self, replica: str) -> float | None:
         """When `replica` left the running set (Ray is stopping it; it drains), or None if it has not."""
@@ -163,19 +206,20 @@ class DeploymentRouting:
                 self._departed.setdefault(replica, self.clock())
             self.replicas.discard(replica)
             self.prefix.drop(replica)
+            self._prefix_reports.pop(replica, None)
             self.adapters.retain(self.replicas)
             self.inflight.pop(replica, None)
-            self._flights = {f for f in self._flights if f[0] != replica}
+            self._flights = {f: a for f, a in self._flights.items() if f[0] != replica}
             self.pending.pop(replica, None)
-            for request_id in [k for k, (r, _, _) in self._reserved.items() if r == replica]:
+            for request_id in [k for k, (r, *_) in self._reserved.items() if r == replica]:
                 del self._reserved[request_id]
 
-    def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0) -> None:
+    def dispatched(self, replica: str, request_id: str, prefill_tokens: int = 0, adapter: str | None = None) -> None:
         with self._lock:
             if request_id in self._finished:
                 return  # reported after the gateway finished it (see `finished`): nothing is in flight
             if (replica, request_id) not in self._flights:
-                self._flights.add((replica, request_id))
+                self._flights[(replica, request_id)] = adapter
                 self.inflight[replica] = self.inflight.get(replica, 0) + 1
             if self.breakers.on_dispatch(replica):
                 self._probes.add(request_id)
@@ -195,7 +239,7 @@ class DeploymentRouting:
         the second call changes nothing."""
         with self._lock:
             if (replica, request_id) in self._flights:
-                self._flights.discard((replica, request_id))
+                del self._flights[(replica, request_id)]
                 self.inflight[replica] -= 1
             self._prefilled(request_id)  # failed or cancelled before answering: its prefill is gone too
             if request_id in self._probes:  # only a probe frees a probe slot
@@ -256,6 +300,7 @@ class AdapterResidency:
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[str, None]] = {}
         self._capacity: dict[str, int] = {}
+        self._slots: dict[str, int] = {}
         self._since_report: dict[str, list[str]] = {}
 
     def holds(self, replica: str, adapter: str) -> bool:
@@ -267,15 +312,21 @@ class AdapterResidency:
         del since[:-_SENT_KEPT]  # bounded where a replica never reports (an engine without adapters)
         self._touch(replica, adapter)
 
-    def reported(self, replica: str, held: Any, capacity: Any) -> None:
+    def slots(self, replica: str) -> int | None:
+        """The adapters the replica's engine runs in one batch (`max_loras`), once it reported them."""
+        return self._slots.get(replica)
+
+    def reported(self, replica: str, held: Any, capacity: Any, slots: Any = None) -> None:
         if isinstance(capacity, int) and capacity > 0:
             self._capacity[replica] = capacity
+        if isinstance(slots, int) and slots > 0:
+            self._slots[replica] = slots
         self._held[replica] = OrderedDict((str(a), None) for a in held or ())
         for adapter in self._since_report.pop(replica, []):  # may not have reached the engine at the report
             self._touch(replica, adapter)
 
     def retain(self, replicas: set[str]) -> None:
-        for table in (self._held, self._capacity, self._since_report):
+        for table in (self._held, self._capacity, self._slots, self._since_report):
             for replica in [r for r in table if r not in replicas]:
                 del table[replica]
 
@@ -288,6 +339,8 @@ class AdapterResidency:
             held.popitem(last=False)
 
 
+# Keys sent to a replica count as held this long at least, precise or not (see PrefixIndex.reported).
+SPECULATION_S = 10.0
 # Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a
 # backoff of at most a few seconds; a reservation older than this belongs to a request that went away.
 RESERVATION_TTL_S = 10.0

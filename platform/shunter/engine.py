@@ -213,7 +213,8 @@ class VLLMEngine:
         self._state = state
         self.counters = counters or EngineCounters()
         self.adapters = EngineAdapters(engine, state.openai_serving_models, spec.served_name,
-                                       spec.engine.max_cpu_loras or spec.engine.max_loras, spec.adapters) \
+                                       spec.engine.max_cpu_loras or spec.engine.max_loras, spec.adapters,
+                                       slots=spec.engine.max_loras) \
             if spec.lora else None
 
     @classmethod

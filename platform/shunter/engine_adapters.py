@@ -14,7 +14,8 @@ The copy follows every request for an adapter, the way the engine's cache does; 
 itself, uncounted, from files that loaded once already.
 
 Adapters come from the model's config and, while the replica runs, from the admin API (`register`,
-`unregister`); an adapter given new files gets a new engine id, so old weights are never served.
+`unregister`); an adapter given new files gets a new engine id, so old weights are never served. An
+adapter in an object store is fetched to the node on its first load (`shunter.adapter_sources`).
 Like engine.py, this imports vLLM only inside methods.
 """
 
@@ -28,6 +29,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from shunter.adapter_sources import AdapterSourceError, fetch, is_remote
 from shunter.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -46,14 +48,17 @@ class AdapterUnavailable(Exception):
 
 class EngineAdapters:
     """`engine`: vLLM's AsyncLLM; `models`: its OpenAIServingModels (whose `lora_requests` are the names
-    vLLM's handlers accept); `capacity`: the adapters the engine keeps in host memory."""
+    vLLM's handlers accept); `capacity`: the adapters the engine keeps in host memory; `slots`: the
+    adapters one batch may mix (`max_loras`: vLLM's scheduler holds back a request for another adapter
+    while that many run)."""
 
     def __init__(self, engine: Any, models: Any, base: str, capacity: int,
-                 adapters: Iterable[tuple[str, str]] = ()):
+                 adapters: Iterable[tuple[str, str]] = (), slots: int | None = None):
         self._engine = engine
         self._models = models
         self.base = base
         self.capacity = capacity
+        self.slots = slots or capacity
         self._paths: dict[str, str] = {}
         self._held: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._locks: dict[str, asyncio.Lock] = {}
@@ -94,6 +99,23 @@ class EngineAdapters:
             self._forget(name, old.lora_int_id)
         return True
 
+    async def _fetch(self, name: str, source: str) -> None:
+        """Serve remote adapter `name` from the node's copy of its files, fetching them first if the node
+        has none (in a thread: other requests of the replica go on meanwhile)."""
+        from vllm.lora.request import LoRARequest
+
+        request = self._models.lora_requests[name]
+        if request.lora_path != source:
+            return  # fetched before
+        try:
+            local = await asyncio.to_thread(fetch, source)
+        except AdapterSourceError as exc:
+            log.warning("adapter %s of %s could not be fetched: %s", name, self.base, exc)
+            raise AdapterUnavailable(name, self.base, str(exc)) from None
+        if self._paths.get(name) == source:  # not re-registered or removed meanwhile
+            self._models.lora_requests[name] = LoRARequest(
+                lora_name=name, lora_int_id=request.lora_int_id, lora_path=local, base_model_name=self.base)
+
     def _forget(self, name: str, lora_id: int) -> None:
         """The engine drops the weights of `lora_id` (between steps: a request running keeps them). Asked
         even where the copy says it holds none: the copy may have let go first."""
@@ -108,7 +130,7 @@ class EngineAdapters:
         if not self.serves(name):
             return
         path = self._paths[name]
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        if not is_remote(path) and not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise AdapterUnavailable(name, self.base, f"its files are gone from {path}")
         if name in self._held:
             self._held.move_to_end(name)
@@ -117,8 +139,10 @@ class EngineAdapters:
             if name in self._held:
                 self._held.move_to_end(name)
                 return
-            request = self._models.lora_requests[name]
             started = time.perf_counter()
+            if is_remote(path):
+                await self._fetch(name, path)
+            request = self._models.lora_requests[name]
             try:
                 await self._engine.add_lora(request)
             except Exception as exc:  # noqa: BLE001 - the engine's reason, reported to the caller

@@ -26,6 +26,8 @@ from .live import APP_NAME, LiveApp, local_app_args, wait_ready
 # processes Ray starts. Ray's processes inherit the environment of the cluster's start, so they are
 # set before the first app starts the kept cluster (they are random, and no other app reads them).
 os.environ.update(keyed_app.ENV)
+# The same way, the routing app's nodes find its object store (an S3 endpoint in this process).
+os.environ.update(routing_app.object_store_env())
 
 _live = ExitStack()  # the shared app while it runs
 _keyed = ExitStack()  # the keyed app (tests/e2e/keyed_app.py) while it runs

@@ -12,12 +12,18 @@ the admin API adds it, and one whose weights are garbage.
 Keys come from key files (the keyed app, tests/e2e/keyed_app.py, shows the environment-variable way):
 one for everything, one limited to one adapter, one for every adapter of the model (`smol:*`). One more
 adapter is not in the config at all: the gateway finds it in the model's `adapter_dirs`.
+
+Two adapters live in an object store: a real S3 endpoint on localhost (moto's server, in the test
+process), whose address and credentials reach the replicas as a real cluster's nodes have them, in the
+environment of the processes Ray starts (tests/e2e/conftest.py sets it before the cluster starts). One
+holds legal's files (so it must answer as legal does), one is missing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from shunter.adapter_sources import local_copy
 from shunter.auth import new_key
 from tests.integration.local_app import local_app
 
@@ -36,6 +43,8 @@ ADAPTERS = ("legal", "medical", "finance", "travel")  # served from the start
 ADDED = "poetry"  # made at the start, served only once a test adds it through the admin API
 SCANNED = "support"  # not in the config: found in its adapter_dirs
 BROKEN = "broken"  # its adapter_config.json is fine (so the config takes it), its weights are not
+CLOUD, GHOST = "cloud", "ghost"  # in the object store: legal's files, and nothing
+BUCKET = "shunter-e2e-adapters"
 FULL, LEGAL_ONLY, TUNERS, ADMIN = new_key(), new_key(), new_key(), new_key()
 ADAPTER_DIRS: dict[str, str] = {}  # name -> directory, filled when the app starts
 
@@ -89,7 +98,9 @@ def args(secrets: Path, adapters: dict[str, str]) -> dict[str, Any]:
             "name": MODEL, "source": "builtin:smollm2-135m-instruct", "replicas": 2, "cpu_cores_per_replica": 1,
             "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1,
                        "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
-            "adapters": [{"name": n, "source": adapters[n]} for n in (*ADAPTERS, BROKEN)],
+            "adapters": [*({"name": n, "source": adapters[n]} for n in (*ADAPTERS, BROKEN)),
+                         {"name": CLOUD, "source": f"s3://{BUCKET}/{CLOUD}"},
+                         {"name": GHOST, "source": f"s3://{BUCKET}/{GHOST}"}],
             "adapter_dirs": [str(Path(adapters[SCANNED]).parent)],
         }],
         "auth": {
@@ -113,6 +124,25 @@ def make_adapters(base: str, folder: Path) -> dict[str, str]:
     return {**made, BROKEN: broken, SCANNED: scanned}
 
 
+def object_store_env() -> dict[str, str]:
+    """Start the S3 endpoint; the environment that points the nodes' S3 clients at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()  # a daemon thread: it ends with the test session
+    host, port = server.get_host_and_port()
+    return {"AWS_ACCESS_KEY_ID": "e2e", "AWS_SECRET_ACCESS_KEY": "e2e", "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+
+
+def _upload(local: str, name: str) -> None:
+    import pyarrow.fs as pafs
+
+    store, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}?allow_bucket_creation=true")
+    store.create_dir(BUCKET)
+    pafs.copy_files(local, f"{BUCKET}/{name}", destination_filesystem=store)
+
+
 @contextmanager
 def routing_app(folder: Path) -> Iterator[LiveApp]:
     from shunter.catalog import resolve_source
@@ -122,6 +152,8 @@ def routing_app(folder: Path) -> Iterator[LiveApp]:
     (folder / "keys").mkdir()
     adapters = make_adapters(base, folder / "adapters")
     ADAPTER_DIRS.update(adapters)
+    _upload(adapters["legal"], CLOUD)
+    shutil.rmtree(local_copy(f"s3://{BUCKET}/{CLOUD}"), ignore_errors=True)  # a copy from an earlier run
     _start_reference(base, adapters)
     try:
         with local_app(args(folder / "keys", adapters), APP, keep_cluster=True) as app:

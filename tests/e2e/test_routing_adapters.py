@@ -7,6 +7,9 @@ so each engine holds one adapter at a time):
 - repeated requests for an adapter go to the replica whose engine holds it (its own load counters say it
   loaded the adapter once, the other replica never), and a burst for one adapter spreads over both;
 - an adapter found in the model's adapter_dirs is served like a configured one;
+- an adapter in an object store (a real S3 endpoint) is fetched into the node's cache on its first request
+  and answers as its files do; a missing one is a 422 for its requests and a 400 for an admin addition;
+  a source with credentials in it is refused without echoing them;
 - an operator adds an adapter through the admin API and it serves at once (as vLLM answers for it), then
   removes it and it is a 404; bad additions are refused with the reason; an adapter rolls out to new
   files behind the gates and is promoted;
@@ -24,6 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
+from shunter.adapter_sources import local_copy
+
 from .routing_app import (
     ADAPTER_DIRS,
     ADAPTERS,
@@ -31,7 +36,10 @@ from .routing_app import (
     ADMIN,
     APP,
     BROKEN,
+    BUCKET,
+    CLOUD,
     FULL,
+    GHOST,
     LEGAL_ONLY,
     MODEL,
     QUESTION,
@@ -87,7 +95,7 @@ def models_listed(app, key: str = FULL) -> dict[str, Any]:
 
 def test_adapters_are_listed_with_their_base_those_found_in_adapter_dirs_too(app):
     parents = models_listed(app)
-    assert parents == {MODEL: None, **{name: MODEL for name in (*ADAPTERS, BROKEN, SCANNED)}}, parents
+    assert parents == {MODEL: None, **{name: MODEL for name in (*ADAPTERS, BROKEN, SCANNED, CLOUD, GHOST)}}, parents
     assert ask(app, SCANNED).json()["model"] == SCANNED
 
 
@@ -103,6 +111,26 @@ def test_each_adapter_answers_as_vllm_itself_does_with_more_adapters_than_the_re
         "every adapter answers apart from the base and from each other"
     loads = sum(sum(stats(r)["adapter_loads"].values()) for r in replicas(app))
     assert loads > len(ADAPTERS), f"more adapters than the replicas hold: some were loaded again ({loads})"
+
+
+def test_an_adapter_in_an_object_store_is_fetched_to_the_node_and_answers_as_its_files_do(app, reference):
+    source = f"s3://{BUCKET}/{CLOUD}"
+    assert not local_copy(source).exists(), "nothing is fetched before a request needs it"
+    for _ in range(2):  # the second time from the node's copy (or the engine's memory)
+        resp = ask(app, CLOUD)
+        assert answer(resp) == reference["legal"] and resp.json()["model"] == CLOUD, resp.text
+    assert (local_copy(source) / "adapter_config.json").is_file(), "fetched into the node's cache"
+    missing = ask(app, GHOST)
+    assert missing.status_code == 422, missing.text
+    error = missing.json()["error"]
+    assert error["code"] == "adapter_unavailable" and f"s3://{BUCKET}/{GHOST}" in error["message"], error
+    url = f"{app.base_url}/admin/models/{MODEL}/adapters"
+    refused = httpx.post(url, json={"name": "nowhere", "source": f"s3://{BUCKET}/nowhere"}, headers=ADMIN_HEADERS,
+                         timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "adapter_source_unreadable", refused.text
+    leaky = httpx.post(url, json={"name": "leaky", "source": f"s3://AKIA:secret@{BUCKET}/{CLOUD}"},
+                       headers=ADMIN_HEADERS, timeout=60)
+    assert leaky.status_code == 400 and "credentials" in leaky.text and "secret" not in leaky.text, leaky.text
 
 
 def test_an_adapters_requests_go_where_it_is_loaded_and_a_burst_spreads(app):

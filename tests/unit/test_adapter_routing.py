@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from shunter.config.routing import RoutingConfig
 from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
 from shunter.routing.policy import Candidate, rank_prefix_aware
 from shunter.routing.prefix import prefix_key
-from shunter.routing.state import AdapterResidency
+from shunter.routing.state import AdapterResidency, DeploymentRouting
 
 KEY = prefix_key("hello " * 40, 16)  # a short prompt, held nowhere: about 60 tokens to prefill
 LOAD_TOKENS = 256  # what loading an adapter costs, in prompt tokens
@@ -54,7 +55,40 @@ def test_a_load_stalls_everyone_on_the_replica():
                       seed=seed) == "idle"
 
 
+def test_a_replica_whose_adapter_slots_are_taken_is_avoided_while_another_has_room():
+    # Both hold the adapter; on "full" other adapters hold every slot, so vLLM would hold the request back.
+    for seed in range(10):
+        ranking = rank_prefix_aware([Candidate("full", 1, adapter_waits=1), Candidate("free", 2)], KEY, 32,
+                                    1000, random.Random(seed), LOAD_TOKENS, adapter_busy_tokens=512)
+        assert ranking.order[0] == "free"
+    # Loading it on an idle replica costs less than waiting out a busy one's adapters.
+    ranking = rank_prefix_aware([Candidate("full", 0, adapter_waits=1),
+                                 Candidate("cold", 0, has_adapter=False)], KEY, 32, 1000, random.Random(0),
+                                LOAD_TOKENS, adapter_busy_tokens=512)
+    assert ranking.order[0] == "cold"
+
+
 # ---- the routers' picture ---------------------------------------------------------------------------
+
+
+def test_adapter_slots_are_taken_by_the_requests_in_flight_and_on_their_way():
+    state = DeploymentRouting("base", "prefix_aware", RoutingConfig(), 16)
+    state.sync_replicas(["r1", "r2"], {"r1": {"adapters": [], "adapter_capacity": 4, "adapter_slots": 1},
+                                       "r2": {"adapters": [], "adapter_capacity": 4}})
+    assert state.adapter_waits("r1", "a") == 0, "an idle engine has a free slot"
+    state.dispatched("r1", "q1", 10, adapter="a")
+    state.dispatched("r1", "q2", 10)  # the base model takes no slot
+    assert (state.adapter_waits("r1", "b"), state.adapter_waits("r1", "a")) == (1, 0)
+    assert state.adapter_waits("r2", "b") == 0, "r2 never said how many adapters it mixes"
+    state.reserve("q3", "r1", 10, adapter="c")  # chosen for r1 and not yet there: held back behind a
+    assert state.adapter_waits("r1", "b") == 2, "behind a, then behind c"
+    assert state.adapter_waits("r1", "a") == 1, "one more request for a keeps c waiting"
+    state.unreserve("q3")
+    state.completed("r1", "q1")
+    assert state.adapter_waits("r1", "b") == 0
+    state.dispatched("r1", "q4", 10, adapter="c")
+    state.forget("r1")
+    assert state.adapter_waits("r1", "b") == 0, "a replica that died runs nothing"
 
 
 def test_what_was_sent_is_held_until_the_replica_evicts_it():

@@ -204,3 +204,31 @@ def test_the_same_prompt_under_two_adapters_is_two_prefixes():
     a, b = (prefix_key(render_prompt("chat", {**body, "model": name}), 16) for name in ("adapter-a", "adapter-b"))
     assert a.keys and set(a.keys).isdisjoint(b.keys)
     assert render_prompt("chat", {**body, "model": "base"}).startswith("<model>base\n")
+
+
+# ---- precise: the replica's report of what its engine holds -------------------------------------------
+
+
+def test_a_report_replaces_belief_and_keys_sent_since_still_count():
+    index = PrefixIndex(speculation_s=10)
+    a, b = prefix_key("a" * 4000, 16).keys, prefix_key("b" * 4000, 16).keys
+    index.record("r1", a, now=0.0)
+    assert index.matched("r1", a) == len(a) and not index.is_precise("r1")
+    index.record("r1", b, now=15.0)  # sent after a, and after the report's speculation window for a
+    index.reported("r1", a[:3], now=20.0)  # the engine evicted all but a's first three blocks
+    assert index.is_precise("r1") and index.reported_size("r1") == 3
+    assert index.matched("r1", a) == 3, "belief beyond the report is gone"
+    assert index.matched("r1", b) == len(b), "b was sent 5 s ago: not in a report yet, still counted"
+    index.reported("r1", [], now=30.0)  # b never got cached (or was evicted at once)
+    assert index.matched("r1", b) == 0 and index.matched("r1", a) == 0
+
+
+def test_a_replica_whose_view_is_lost_is_predicted_again_and_a_departed_one_forgotten():
+    index = PrefixIndex(speculation_s=10)
+    keys = prefix_key("c" * 4000, 16).keys
+    index.reported("r1", keys, now=0.0)
+    index.unreported("r1")
+    assert not index.is_precise("r1") and index.matched("r1", keys) == 0
+    index.reported("r2", keys, now=0.0)
+    index.retain(["r1"])
+    assert not index.is_precise("r2") and index.matched("r2", keys) == 0

@@ -48,6 +48,32 @@ def test_capacity_comes_from_reported_kv_cache_blocks():
     assert state.prefix.capacity("r1") == 3 and state.block_size == 32
 
 
+def test_a_replicas_prefix_report_is_taken_once_and_replaces_belief():
+    clock = FakeClock()
+    state = _state(clock)
+    state.sync_replicas(["r1"])
+    state.record_prefix("r1", KEYS)
+    clock.now += 60  # long past the speculation window: only a report can say r1 holds anything
+    state.sync_replicas(["r1"], {"r1": {"prefix_keys": list(KEYS[:2]), "prefix_exact": True, "prefix_report": 1}})
+    assert state.matched("r1", KEYS) == 2 and state.prefix_source("r1") == "precise"
+    state.record_prefix("r1", KEYS)  # sent again: counted at once, before any report shows it
+    assert state.matched("r1", KEYS) == 8
+    clock.now += 60
+    state.sync_replicas(["r1"], {"r1": {"prefix_keys": list(KEYS[:2]), "prefix_exact": True, "prefix_report": 1}})
+    assert state.matched("r1", KEYS) == 8, "the same report handed again changes nothing"
+    state.sync_replicas(["r1"], {"r1": {"prefix_keys": [], "prefix_exact": True, "prefix_report": 2}})
+    assert state.matched("r1", KEYS) == 0, "the engine evicted it: the router stops believing it"
+    state.sync_replicas(["r1"], {"r1": {"prefix_keys": [], "prefix_exact": False, "prefix_report": 3}})
+    assert state.prefix_source("r1") == "approximate", "events were lost: predicted again until exact"
+
+
+def test_approximate_mode_ignores_prefix_reports():
+    config = RoutingConfig(prefix_source="approximate")
+    state = DeploymentRouting("m", "prefix_aware", config, 16, FakeClock())
+    state.sync_replicas(["r1"], {"r1": {"prefix_keys": list(KEYS), "prefix_exact": True, "prefix_report": 1}})
+    assert state.matched("r1", KEYS) == 0 and state.prefix_source("r1") == "approximate"
+
+
 def test_inflight_counts_dispatches_and_completions():
     state = _state()
     state.dispatched("r1", "q2")

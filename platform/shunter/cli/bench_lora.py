@@ -8,7 +8,8 @@ from both ends: the client's TTFT and throughput, and the replicas' own adapter 
 requests, seconds spent loading), read from each replica by a pinned call before and after the run.
 
 It also measures what `routing.adapter_load_tokens` stands for: the mean time a replica took to load an
-adapter, and the engine's prefill rate (a 1,024-token prompt, one output token, on an idle replica).
+adapter, and the engine's prefill rate (a 1,024-token prompt, one output token, on an idle replica); and
+`routing.adapter_busy_tokens`: half a request's decode time at that rate.
 """
 
 from __future__ import annotations
@@ -109,8 +110,13 @@ def compare_lora(config: Path, model_name: str, policies: list[str], adapters: i
             print(lora_table(rows[-1:]), flush=True)
             serve.delete(APP)
     load_s = sum(measured.get("load_s", [0.0])) / max(1, len(measured.get("load_s", [])))
-    cost = {"adapter_load_s": load_s, "prefill_tokens_per_s": measured.get("prefill_tokens_per_s", 0.0),
-            "adapter_load_tokens": round(load_s * measured.get("prefill_tokens_per_s", 0.0))}
+    rate = measured.get("prefill_tokens_per_s", 0.0)
+    decode_s = [r["summary"]["e2e_s"]["p50"] - r["summary"]["ttft_s"]["p50"] for r in rows
+                if r["summary"]["e2e_s"]["p50"] is not None and r["summary"]["ttft_s"]["p50"] is not None]
+    decode_s = sum(decode_s) / len(decode_s) if decode_s else 0.0
+    # A request held back for a slot waits out the adapters running there: about half a decode.
+    cost = {"adapter_load_s": load_s, "prefill_tokens_per_s": rate, "adapter_load_tokens": round(load_s * rate),
+            "decode_s": decode_s, "adapter_busy_tokens": round(decode_s / 2 * rate)}
     return {"model": model.name, "replicas": replicas, "adapters": adapters, "engine": ENGINE,
             "workload_options": WORKLOAD, "load_cost": cost, "rows": rows}
 
@@ -156,7 +162,9 @@ the adapters at most), deployed fresh for each policy, then `shunter bench run {
 
 An adapter took {cost['adapter_load_s'] * 1000:.0f} ms to load on average; the engine prefills
 {cost['prefill_tokens_per_s']:.0f} prompt tokens/s: a load costs about {cost['adapter_load_tokens']} prompt
-tokens of prefill (`routing.adapter_load_tokens`).
+tokens of prefill (`routing.adapter_load_tokens`). A request decoded in {cost.get('decode_s', 0) * 1000:.0f} ms
+(E2E p50 - TTFT p50, mean over the policies): waiting for another adapter's requests to leave the batch
+costs about half that, {cost.get('adapter_busy_tokens', 0)} prompt tokens (`routing.adapter_busy_tokens`).
 """
 
 

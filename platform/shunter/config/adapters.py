@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from shunter.adapter_sources import check_remote_uri, is_remote
 from shunter.config.base import StrictModel
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"  # a model name without `:` (base:adapter splits on it)
@@ -23,19 +24,26 @@ class AdapterConfig(StrictModel):
 
     name: str = Field(pattern=ADAPTER_NAME_PATTERN, max_length=128,
                       description="What clients put in `model` (or `<base>:<name>`); listed by /v1/models.")
-    source: str = Field(description="The adapter's directory (PEFT's adapter_config.json and weights), on every "
-                        "node that runs a replica of the base model.")
+    source: str = Field(description="The adapter's directory (PEFT's adapter_config.json and weights): a local "
+                        "path on every node that runs a replica of the base model, or an object-store folder "
+                        "(s3://bucket/folder, gs://bucket/folder) the replicas fetch on first use, with the "
+                        "nodes' own credentials.")
 
     @field_validator("source")
     @classmethod
     def _source_is_an_adapter(cls, value: str) -> str:
+        if is_remote(value):  # checked where it is fetched (the door and the replicas have the credentials)
+            return check_remote_uri(value)
         path = Path(value).expanduser()
         if not (path / "adapter_config.json").is_file():
             raise ValueError(f"{value!r} is not a LoRA adapter directory (no adapter_config.json in it)")
         return str(path.resolve())
 
     def rank(self) -> int | None:
-        """The adapter's LoRA rank, from its adapter_config.json (None when it does not say)."""
+        """The adapter's LoRA rank, from its local adapter_config.json (None when it does not say, or the
+        adapter is in an object store)."""
+        if is_remote(self.source):
+            return None
         try:
             rank = json.loads((Path(self.source) / "adapter_config.json").read_text()).get("r")
         except (OSError, ValueError):

@@ -13,6 +13,10 @@ from shunter.config.base import StrictModel
 # 2-core machine whose engine prefilled 986 tokens/s, 223 tokens (`shunter bench lora`, 2026-11-26; the
 # machines vary by about 30%). A bigger model prefills slower and loads bigger adapters: measure yours.
 ADAPTER_LOAD_TOKENS = 256
+# Waiting for another adapter's requests to leave the batch (max_loras adapters run at once): about half
+# a request's decode. 16-token answers decoded in about 1 s at a 1,000 tokens/s prefill rate on one
+# core (`shunter bench lora`); longer answers wait longer: measure yours.
+ADAPTER_BUSY_TOKENS = 512
 
 
 class BreakerConfig(StrictModel):
@@ -52,6 +56,14 @@ class RoutingConfig(StrictModel):
         "requests in flight; power_of_two: Ray Serve's default (two random replicas, shorter queue); "
         "custom: `router_class`. null = prefix_aware for generate models, least_connections for embed.",
     )
+    prefix_source: Literal["precise", "approximate"] | None = Field(
+        default=None,
+        description="prefix_aware: where the router learns what each replica caches. precise: from the "
+        "engine's own KV-cache events (each replica subscribes to its engine and reports which prefixes it "
+        "really holds; evictions and restarts show at the next report); approximate: from what the router "
+        "sent there (no events needed). null = precise where the engine publishes events (vLLM engines), "
+        "approximate otherwise; a replica whose event view is not exact is judged approximately until it is.",
+    )
     router_class: str | None = Field(
         default=None,
         description="policy custom only: import path `module:Class` (or `module.Class`) of any Ray Serve "
@@ -76,6 +88,14 @@ class RoutingConfig(StrictModel):
         "prompt tokens to prefill (its engine stalls while it loads). A replica that does not hold the "
         "adapter a request names costs this much more, times (1 + requests in flight there). The default "
         "is measured: `shunter bench lora` prints the load time and prefill rate it comes from.",
+    )
+    adapter_busy_tokens: int = Field(
+        default=ADAPTER_BUSY_TOKENS,
+        ge=0,
+        description="prefix_aware, models with LoRA adapters: what waiting for a free adapter slot costs, in "
+        "prompt tokens to prefill. A replica whose engine runs as many other adapters as it mixes in one batch "
+        "(`engine.max_loras`) holds a request for one more back until one of them has no request left, about "
+        "half a request's decode; it costs this much more. `shunter bench lora` prints the figure it measures.",
     )
     max_load_gap: int = Field(
         default=8,
