@@ -35,8 +35,10 @@ from shunter.deployments.parsed_request import CONVERSATION_FIELD
 from shunter.deployments.replica_telemetry import EngineMetrics, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.errors import error_body
+from shunter.kv_events import prompt_observer
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.replica_protocol import ENDPOINTS, Accepted, Moved, ReplicaRequest, RouteHint, Working
+from shunter.routing.prefix import prefix_key, render_prompt
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
@@ -104,7 +106,8 @@ class ModelServer:
             path = resolve_source(self.model.source, cache_dir, progress=False)
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None, self.model.serving,
-                              self.model.lora, tuple((a.name, a.source) for a in self.model.adapters))
+                              self.model.lora, tuple((a.name, a.source) for a in self.model.adapters),
+                              prefix_events=self.model.precise_prefix_routing)
             self.engine = await start(spec, env)
             if accelerator == "cpu":
                 yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made
@@ -137,7 +140,10 @@ class ModelServer:
         # A whole (not streamed) reply may take longer than the gateway's `replica_timeout_s`: while its
         # engine makes progress the replica says it is still working, so only a hang (no progress) is
         # silence, which the gateway counts as the replica's failure.
+        linking = self._link_prefix(request)  # the task takes the observer with the context it copies
         work = asyncio.ensure_future(getattr(self.engine, request.endpoint)(body))
+        if linking is not None:
+            prompt_observer.reset(linking)
         progress = getattr(self.engine, "progress", None)
         seen = progress() if progress else None
         try:
@@ -162,6 +168,19 @@ class ModelServer:
             else:
                 async for chunk in reply.stream:
                     yield chunk
+
+    def _link_prefix(self, request: ReplicaRequest) -> Any:
+        """Precise prefix routing: once the engine has the request's prompt tokens, link the router's keys
+        of this request (computed as the routers compute them, from the same body) to its token blocks,
+        so the replica can report which keys its engine still holds. Returns the context token to reset."""
+        view = getattr(self.engine, "prefix_view", None)
+        if view is None:
+            return None
+        key = prefix_key(render_prompt(request.endpoint, request.body), view.index.block_size)
+        if not key.keys:
+            return None
+        return prompt_observer.set(
+            lambda tokens, lora: view.link(key.keys, key.chars, key.chunk_chars, tokens, lora))
 
     async def _relay(self, items: AsyncIterator[Any], request: ReplicaRequest) -> AsyncIterator[Any]:
         """The reply's items on Ray, but a stream's chunks after the first over the gateway's token
@@ -237,6 +256,7 @@ class ModelServer:
             "prefix_cache_hits": counters.prefix_cache_hits if counters else 0,
             "kv_cache_usage": counters.kv_cache_usage if counters else 0.0,
             **_adapter_stats(self.engine, with_loads=True),
+            **({"prefix_view": view.summary()} if (view := getattr(self.engine, "prefix_view", None)) else {}),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -253,6 +273,7 @@ class ModelServer:
             "block_size": size() if size else 0,
             "unfinished_requests": self.engine.num_unfinished_requests(),
             **_adapter_stats(self.engine),
+            **(view.report() if (view := getattr(self.engine, "prefix_view", None)) is not None else {}),
         }
 
     def retire(self, route: RouteHint | None, within_s: float | None, not_before_s: float | None) -> dict[str, Any]:

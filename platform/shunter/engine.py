@@ -54,6 +54,9 @@ class EngineSpec:
     serving: ServingConfig = field(default_factory=ServingConfig)  # the frontend options of vLLM's OpenAI handlers
     lora: bool = False  # run with LoRA: adapters can be served
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, directory) the config gives it
+    # Publish the engine's KV-cache events and keep this replica's precise prefix view from them
+    # (routing.prefix_source; shunter.kv_events).
+    prefix_events: bool = False
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
@@ -207,11 +210,13 @@ def _counting_stat_logger(counters: EngineCounters) -> Any:
 class VLLMEngine:
     """One AsyncLLM and vLLM's OpenAI handlers for it."""
 
-    def __init__(self, spec: EngineSpec, engine: Any, state: Any, counters: EngineCounters | None = None):
+    def __init__(self, spec: EngineSpec, engine: Any, state: Any, counters: EngineCounters | None = None,
+                 prefix_view: Any = None):
         self.spec = spec
         self._engine = engine
         self._state = state
         self.counters = counters or EngineCounters()
+        self.prefix_view = prefix_view  # shunter.kv_events.EnginePrefixView, when spec.prefix_events
         self.adapters = EngineAdapters(engine, state.openai_serving_models, spec.served_name,
                                        spec.engine.max_cpu_loras or spec.engine.max_loras, spec.adapters,
                                        slots=spec.engine.max_loras) \
@@ -236,6 +241,13 @@ class VLLMEngine:
             for key, value in spec.serving.vllm_arguments().items():
                 setattr(namespace, key, value)
         namespace.disable_uvicorn_access_log = True
+        endpoints = None
+        if spec.prefix_events:
+            from shunter.kv_events import engine_kv_events_config, ipc_endpoints
+
+            # ipc sockets: the engine core is this process's child, so nothing crosses hosts or takes a port.
+            endpoints = ipc_endpoints(f"shunter-kv-{os.getpid()}")
+            namespace.kv_events_config = engine_kv_events_config(*endpoints)
         # vLLM's own checks of its server's arguments (the chat template, auto tool choice's parser).
         from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
@@ -258,16 +270,27 @@ class VLLMEngine:
             disable_log_stats=False,
             stat_loggers=[_counting_stat_logger(counters)],
         )
+        view = None
         try:
+            if endpoints is not None:
+                from shunter.kv_events import EnginePrefixView, observing_prompts
+
+                # vLLM's handlers call engine.generate; each request's prompt tokens are linked to its keys.
+                engine.generate = observing_prompts(engine.generate)
+                cache = vllm_config.cache_config
+                view = EnginePrefixView(*endpoints, int(cache.block_size), int(cache.num_gpu_blocks or 0))
+                view.start()  # the batches published so far come from the replay socket
             tasks = await engine.get_supported_tasks()
             state = State()
             await init_app_state(engine, state, namespace, tasks)
         except BaseException:
+            if view is not None:
+                view.stop()
             engine.shutdown()
             raise
         log.info("engine for %s up: tasks=%s, model=%s, %d adapter(s)", spec.served_name, tasks, spec.model_path,
                  len(spec.adapters))
-        return cls(spec, engine, state, counters)
+        return cls(spec, engine, state, counters, view)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -479,4 +502,6 @@ class VLLMEngine:
         # Called once Ray Serve has drained the replica, so the engine holds nothing worth waiting for.
         # vLLM otherwise gives its engine-core process 5 s to exit after SIGTERM and then kills it anyway
         # (measured: it always needed the kill), which every idle Ctrl-C and scale-down paid.
+        if self.prefix_view is not None:
+            self.prefix_view.stop()
         self._engine.shutdown(timeout=ENGINE_EXIT_GRACE_S)

@@ -50,7 +50,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["chat", "completions", "responses", "messages"], default="chat")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="model dir, hub id or builtin:NAME whose tokenizer measures lengths")
-    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn", "adapters"], default="random")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn", "adapters", "kv-pressure"],
+                   default="random")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="sessions in flight at once (default 8)")
     load.add_argument("--rate", type=float, help="requests per second, Poisson arrivals")
@@ -59,15 +60,18 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len", default="uniform:64:256", help="random: prompt tokens")
     p.add_argument("--output-len", default="uniform:16:64", help="output tokens (every workload)")
-    p.add_argument("--groups", type=int, default=4, help="shared-prefix: groups (distinct system prompts)")
+    p.add_argument("--groups", type=int, default=4,
+                   help="shared-prefix, kv-pressure: groups (distinct system prompts)")
     p.add_argument("--users", type=int, default=8, help="shared-prefix: users per group")
-    p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
+    p.add_argument("--system-len", type=int, default=1024, help="shared-prefix, kv-pressure: system prompt tokens")
     p.add_argument("--question-len", default="uniform:16:32", help="shared-prefix: question tokens")
-    p.add_argument("--conversations", type=int, default=8, help="multi-turn: conversations")
-    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
-    p.add_argument("--turn-len", default="uniform:16:64", help="multi-turn: user tokens per turn")
+    p.add_argument("--conversations", type=int, default=8,
+                   help="multi-turn, kv-pressure: conversations (sessions)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn, kv-pressure: turns per conversation")
+    p.add_argument("--turn-len", default="uniform:16:64", help="multi-turn, kv-pressure: user tokens per turn")
     p.add_argument("--adapters", default="", help="adapters: comma-separated LoRA adapter names, most asked first")
-    p.add_argument("--zipf", type=float, default=1.1, help="adapters: the Zipf exponent of their popularity")
+    p.add_argument("--zipf", type=float, default=1.1,
+                   help="adapters, kv-pressure: the Zipf exponent of the adapters' (groups') popularity")
     p.add_argument("--slo-ttft-ms", type=float, help="goodput: a request must start within this")
     p.add_argument("--slo-itl-ms", type=float, help="goodput: ... and average at most this between tokens")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -86,6 +90,8 @@ def build_sessions(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
         TextMaker,
         adapter_workload,
         describe,
+        kv_pressure_sizing,
+        kv_pressure_workload,
         multi_turn_workload,
         random_workload,
         shared_prefix_workload,
@@ -110,6 +116,12 @@ def build_sessions(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
                                           args.seed)
         params.update(groups=args.groups, users=args.users, system_len=args.system_len,
                       question_len=str(question_len))
+    elif args.workload == "kv-pressure":
+        turn_len = LengthDist.parse(args.turn_len)
+        sessions = kv_pressure_workload(maker, args.groups, args.conversations, args.turns, args.system_len, turn_len,
+                                        output_len, args.zipf, args.seed)
+        params.update(conversations=args.conversations, turns=args.turns, system_len=args.system_len,
+                      turn_len=str(turn_len), zipf=args.zipf, **kv_pressure_sizing(sessions))  # groups: those drawn
     else:
         turn_len = LengthDist.parse(args.turn_len)
         sessions = multi_turn_workload(maker, args.conversations, args.turns, turn_len, output_len, args.seed)

@@ -10,7 +10,11 @@ have one-turn sessions.
   a few long prompts), shuffled so groups interleave as real traffic does;
 - `multi-turn`: conversations that grow turn by turn;
 - `adapters`: single-turn requests, each to one of N LoRA adapters drawn from a Zipf distribution (a few
-  adapters take most requests, a long tail the rest: the shape of many fine-tunes behind one base).
+  adapters take most requests, a long tail the rest: the shape of many fine-tunes behind one base);
+- `kv-pressure`: G groups (long system prompts) whose popularity is Zipf-skewed, and multi-turn sessions
+  under them whose history grows turn by turn; sized so that the distinct prompt tokens outgrow a
+  replica's KV cache (`kv_pressure_sizing` says by how much), so what a replica really still holds, not
+  what was once sent there, decides where a prefix is cached.
 
 Lengths are in tokens of the model's own tokenizer: text is built from words, encoded, cut to the
 target and decoded, and re-measured so a prompt never exceeds its target.
@@ -176,6 +180,47 @@ def adapter_workload(maker: TextMaker, adapters: list[str], requests: int, zipf_
         sessions.append(Session(i, [Turn(text, n, output_len.sample(rng))],
                                 model=rng.choices(adapters, weights)[0]))
     return sessions
+
+
+def kv_pressure_workload(maker: TextMaker, groups: int, sessions: int, turns: int, system_len: int,
+                         turn_len: LengthDist, output_len: LengthDist, zipf_s: float, seed: int) -> list[Session]:
+    """`sessions` conversations of `turns` turns each, under G groups' system prompts of `system_len`
+    tokens; a session joins the k-th group (1-based) with weight 1 / k^zipf_s. Each turn resends the
+    conversation so far (the system prompt, every earlier question and the server's answers to them) plus
+    a new user message, so a session's prompt grows by a turn and an answer each time.
+
+    The sessions come in the order their groups were drawn (groups interleave), and a run keeps several in
+    flight at once, so their turns interleave in time as real traffic does."""
+    if groups < 1 or sessions < 1 or turns < 1:
+        raise ValueError("the kv-pressure workload needs at least one group, session and turn")
+    rng = random.Random(seed)
+    systems = [maker.make(system_len, rng) for _ in range(groups)]
+    weights = [1 / (k ** zipf_s) for k in range(1, groups + 1)]
+    out = []
+    for i in range(sessions):
+        g = rng.choices(range(groups), weights)[0]
+        chat = []
+        for _ in range(turns):
+            text, n = maker.make(turn_len.sample(rng), rng)
+            chat.append(Turn(text, n, output_len.sample(rng)))
+        system, system_tokens = systems[g]
+        out.append(Session(i, chat, system=system, group=g, meta={"system_tokens": system_tokens}))
+    return out
+
+
+def kv_pressure_sizing(sessions: list[Session]) -> dict[str, Any]:
+    """How many distinct prompt tokens a workload of system-prompt sessions holds: each group's system
+    prompt once, plus every session's own history (its user messages, and the answers to all but its last
+    turn, counted at `max_tokens`: ignore_eos makes the answers that long). The chat template's few tokens
+    per message are left out, so this slightly undercounts; `shunter.bench.kv_oracle` counts the exact
+    distinct 128-token blocks of the prompts a run really sent."""
+    systems = {s.group: s.meta.get("system_tokens", 0) for s in sessions}
+    own = sum(sum(t.prompt_tokens for t in s.turns) + sum(t.max_tokens for t in s.turns[:-1]) for s in sessions)
+    longest = max((s.meta.get("system_tokens", 0) + sum(t.prompt_tokens + t.max_tokens for t in s.turns)
+                   for s in sessions), default=0)
+    return {"distinct_prefix_tokens": sum(systems.values()) + own, "system_prefix_tokens": sum(systems.values()),
+            "session_history_tokens": own, "groups_used": len(systems),
+            "longest_session_tokens": longest}
 
 
 def describe(sessions: list[Session]) -> dict[str, Any]:

@@ -1,27 +1,39 @@
-"""`shunter bench routing`: routing policies side by side on the shared-prefix workload, 2 replicas.
+"""`shunter bench routing`: routing policies side by side on 2 replicas, on the shared-prefix workload or
+under KV-cache pressure.
 
 For each policy the same model is deployed fresh (cold KV caches, new gateway, new router), driven by
-the same seeded shared-prefix workload, and measured from both ends: the client's TTFT, end-to-end
-latency and throughput, and the engines' own prefix-cache counters (prompt tokens looked up and found
-cached), read from each replica by a pinned call before and after the run.
+the same seeded workload, and measured from both ends: the client's TTFT, end-to-end latency and
+throughput, and the engines' own prefix-cache counters (prompt tokens looked up and found cached), read
+from each replica by a pinned call before and after the run. Each run's exact prompts are also replayed
+through an oracle that knows every replica's cache (`shunter.bench.kv_oracle`): the ceiling of the hit rate.
 
-Policies: Shunter's `prefix_aware`, `least_connections`, `power_of_two` (Ray Serve's default) and Ray's
-own `PrefixCacheAffinityRouter` (policy `custom`, its default settings).
+Workloads (`--workload`):
+- `shared-prefix` (default): 16 long system prompts x 4 users; the prompts of one group fit any replica's
+  cache, so what separates the policies is whether a group's requests meet the replica that prefilled it;
+- `kv-pressure`: 64 groups of Zipf-skewed popularity and 40 four-turn sessions whose history grows, on
+  engines with a small KV cache (92 blocks of 128 tokens each): the distinct prompt tokens are about 3.5x one
+  replica's capacity, so replicas evict, and a router must know what each one still holds.
+
+Policies: Shunter's `prefix_aware` with the engines' KV events (`precise`) and with its own record of what
+it sent (`approximate`), `least_connections`, `power_of_two` (Ray Serve's default) and Ray's own
+`PrefixCacheAffinityRouter` (policy `custom`, its default settings).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 APP = "bench-routing"
 RAY_PREFIX_ROUTER = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
 POLICIES: dict[str, dict[str, Any]] = {
-    "prefix_aware": {"policy": "prefix_aware"},
-    "power_of_two": {"policy": "power_of_two"},
+    "precise": {"policy": "prefix_aware", "prefix_source": "precise"},
+    "approximate": {"policy": "prefix_aware", "prefix_source": "approximate"},
     "least_connections": {"policy": "least_connections"},
+    "power_of_two": {"policy": "power_of_two"},
     "ray_prefix_cache_affinity": {"policy": "custom", "router_class": RAY_PREFIX_ROUTER},
 }
 # 16 system prompts x 4 users: the prompts of one group fit any replica's cache, so what separates the
@@ -29,6 +41,41 @@ POLICIES: dict[str, dict[str, Any]] = {
 WORKLOAD = ["--workload", "shared-prefix", "--groups", "16", "--users", "4", "--system-len", "1024",
             "--question-len", "uniform:16:32", "--output-len", "fixed:32", "--concurrency", "8",
             "--slo-ttft-ms", "2000", "--slo-itl-ms", "150", "--seed", "0"]
+# 64 system prompts of 1,024 tokens, Zipf(1.0) popularity (seed 0 draws 23 of them; the 3 most popular take
+# 14 of the 40 sessions); 40 sessions of 4 turns, 8 in flight, whose history grows by 64-128 user tokens and a
+# 16-token answer a turn: about 41.0k distinct prompt tokens (23.6k of system prompts, 17.4k of session
+# history), 3.5x a replica's 91 usable blocks (11,648 tokens), 1.8x both replicas'. 160 requests, about 211k
+# prompt tokens in all; the longest conversation is about 1.55k tokens with its answers, within max_model_len.
+# Replayed with stand-in answers, the oracle hits about 74% of the prompt tokens, random routing about 56%.
+KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "64", "--conversations", "40", "--turns", "4",
+                        "--system-len", "1024", "--turn-len", "uniform:64:128", "--output-len", "fixed:16",
+                        "--zipf", "1.0", "--concurrency", "8", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
+                        "--seed", "0"]
+WORKLOADS = {"shared-prefix": WORKLOAD, "kv-pressure": KV_PRESSURE_WORKLOAD}
+# A small KV cache. `engine.cpu_kv_cache_gib` takes whole GiB only (1 GiB = 364 blocks of SmolLM2), so the
+# engine's block count is set directly (vLLM's num_gpu_blocks_override, which its CPU build honours): 92
+# blocks, one of them vLLM's null block, i.e. 91 x 128 = 11,648 tokens, what 0.25 GiB would give.
+KV_PRESSURE_BLOCKS = 92
+KV_PRESSURE_MAX_MODEL_LEN = 2048
+
+
+def kv_pressure_engine(engine: dict[str, Any], blocks: int = KV_PRESSURE_BLOCKS) -> dict[str, Any]:
+    """A model's engine settings (JSON) with a KV cache of `blocks` blocks and a max_model_len that fits."""
+    if (blocks - 1) * 128 < KV_PRESSURE_MAX_MODEL_LEN:
+        raise ValueError(f"{blocks} KV blocks cannot hold one {KV_PRESSURE_MAX_MODEL_LEN}-token sequence")
+    return {**engine, "max_model_len": KV_PRESSURE_MAX_MODEL_LEN,
+            "extra_engine_args": {**engine.get("extra_engine_args", {}), "num_gpu_blocks_override": blocks}}
+
+
+def longest_request_tokens(options: list[str]) -> float:
+    """An upper bound of a kv-pressure request's tokens (prompt + answer), chat template included (at most
+    8 tokens a message), from the workload's options."""
+    from shunter.bench.runner import run_parser
+    from shunter.bench.workloads import LengthDist
+
+    args = run_parser().parse_args(options)
+    turn, out = LengthDist.parse(args.turn_len).upper, LengthDist.parse(args.output_len).upper
+    return args.system_len + 8 + args.turns * (turn + 8) + args.turns * (out + 8)
 
 
 def replica_ids(handle: Any, expected: int) -> list[str]:
@@ -47,9 +94,32 @@ def _counters(handle: Any, replicas: list[str]) -> dict[str, dict[str, Any]]:
     return {r: handle.stats.remote(RouteHint(pin=r)).result(timeout_s=60) for r in replicas}
 
 
-def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2) -> dict[str, Any]:
-    from ray import serve
+def kv_capacity(handle: Any, stats: dict[str, dict[str, Any]]) -> tuple[int, int] | None:
+    """(KV blocks, block size) of a deployment's replicas, as the engines report them: from their stats
+    where those carry `kv_cache_blocks`, else from the routing stats they push (`record_routing_stats`,
+    called unpinned a few times: replicas of one deployment share one engine config). The smallest seen."""
+    blocks = [s.get("kv_cache_blocks") or 0 for s in stats.values()]
+    sizes = [s.get("block_size") or 0 for s in stats.values()]
+    if not blocks or not all(blocks):
+        try:
+            pushed = [handle.record_routing_stats.remote().result(timeout_s=60) for _ in range(4)]
+        except Exception as exc:  # noqa: BLE001 - the oracle is then left out, the run still counts
+            print(f"could not read the replicas' KV capacity: {exc}", flush=True)
+            return None
+        blocks = [p.get("kv_cache_blocks") or 0 for p in pushed]
+        sizes = [p.get("block_size") or 0 for p in pushed]
+    blocks = [b for b in blocks if b]
+    if not blocks:
+        return None
+    return min(blocks), min((b for b in sizes if b), default=128)
 
+
+def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2,
+                    workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS) -> dict[str, Any]:
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from shunter.bench.kv_oracle import oracle_for_run, record_prompts
     from shunter.bench.runner import run, run_parser
     from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
@@ -57,74 +127,215 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from shunter.local_serve import local_serve
     from shunter.serve_plan import deployment_name
 
-    cfg, model, _ = generate_model_of(config, model_name)
+    options = WORKLOADS[workload]
+    cfg, model, path = generate_model_of(config, model_name)
+    engine = model.engine.model_dump(mode="json")
+    if workload == "kv-pressure":
+        engine = kv_pressure_engine(engine, kv_blocks)
+        if longest_request_tokens(options) > engine["max_model_len"]:
+            raise SystemExit(f"a kv-pressure request may exceed max_model_len {engine['max_model_len']}")
+    tokenizer = AutoTokenizer.from_pretrained(path)  # the oracle tokenizes as the engine does
     rows = []
+    started = time.perf_counter()
     with local_serve() as local:
         base = local.base_url
         for name in policies:
-            spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name]}
+            spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name],
+                    "engine": engine}
             app_cfg = ShunterConfig.model_validate({**cfg.model_dump(mode="json"), "models": [spec]})
-            print(f"\n== {name}: deploying {replicas} fresh replicas", flush=True)
+            print(f"\n== {name}: deploying {replicas} fresh replicas ({time.perf_counter() - started:.0f} s in)",
+                  flush=True)
             local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
             ids = replica_ids(handle, replicas)
             before = _counters(handle, ids)
-            result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
-                                                  "--label", name, *WORKLOAD]))
+            capacity = kv_capacity(handle, before)
+            if capacity is None and "num_gpu_blocks_override" in engine.get("extra_engine_args", {}):
+                capacity = (engine["extra_engine_args"]["num_gpu_blocks_override"], 128)  # what was asked for
+            ran = time.perf_counter()
+            with record_prompts() as bodies:
+                result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
+                                                      "--label", name, *options]))
+            ran = time.perf_counter() - ran
             after = _counters(handle, ids)
             queries = {r: after[r]["prefix_cache_queries"] - before[r]["prefix_cache_queries"] for r in ids}
             hits = {r: after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"] for r in ids}
             total_q = sum(queries.values())
+            oracle = None
+            if capacity:
+                try:
+                    oracle = oracle_for_run(bodies, result["requests"], tokenizer, replicas, capacity[0],
+                                            capacity[1], app_cfg.models[0].routing.max_load_gap)
+                except ValueError as exc:  # the run's own figures still count
+                    print(f"oracle left out: {exc}", flush=True)
             rows.append({
                 "policy": name,
+                "routing": POLICIES[name],
                 "summary": result["summary"],
                 "workload": result["workload"],
+                "run_s": ran,
+                "kv_cache": {"blocks": capacity[0], "block_size": capacity[1]} if capacity else None,
                 "engine_prefix_cache": {
                     "queries": total_q, "hits": sum(hits.values()),
                     "hit_rate": sum(hits.values()) / total_q if total_q else 0.0,
                     "prompt_tokens_share_per_replica": sorted((q / total_q if total_q else 0.0)
                                                               for q in queries.values()),
                 },
+                "oracle": oracle,
                 "result": result,
             })
             print(routing_table(rows[-1:]), flush=True)
+            print(pressure_line(rows[-1]), flush=True)
             serve.delete(APP)
-    return {"model": model.name, "replicas": replicas, "workload_options": WORKLOAD, "rows": rows}
+    return {"model": model.name, "replicas": replicas, "workload": workload, "workload_options": options,
+            "engine": engine, "wall_s": time.perf_counter() - started, "rows": rows}
+
+
+def pressure_line(row: dict[str, Any]) -> str:
+    """The sizing claim of a run, checkable: distinct prompt tokens against one replica's KV capacity."""
+    kv, w, oracle = row.get("kv_cache"), row["workload"], row.get("oracle")
+    if not kv:
+        return "KV capacity: not reported"
+    tokens = (kv["blocks"] - 1) * kv["block_size"]  # one block is vLLM's null block
+    line = f"KV capacity per replica: {kv['blocks'] - 1} usable blocks of {kv['block_size']} = {tokens:,} tokens"
+    if "distinct_prefix_tokens" in w:
+        line += (f"; distinct prompt tokens (workload, template left out) {w['distinct_prefix_tokens']:,} = "
+                 f"{w['distinct_prefix_tokens'] / tokens:.1f}x")
+    if oracle:
+        line += (f"; distinct full prompt blocks sent {oracle['distinct_blocks']:,} = "
+                 f"{oracle['distinct_over_capacity']:.1f}x")
+    return line
 
 
 def routing_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| policy | TTFT p50 | TTFT p90 | E2E p50 | output tok/s | goodput | engine prefix-cache hit rate "
-             "| prompt tokens per replica | failed |", "|---|---|---|---|---|---|---|---|---|"]
+             "| oracle hit rate | engine / oracle | prompt tokens per replica | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         s, cache = row["summary"], row["engine_prefix_cache"]
         split = " / ".join(f"{share:.0%}" for share in cache["prompt_tokens_share_per_replica"])
+        oracle = (row.get("oracle") or {}).get("hit_rate")
+        of_oracle = f"{cache['hit_rate'] / oracle:.2f}" if oracle else "n/a"
         lines.append(f"| {row['policy']} | {as_ms(s['ttft_s']['p50'])} | {as_ms(s['ttft_s']['p90'])} | "
                      f"{as_ms(s['e2e_s']['p50'])} | {s['output_tokens_per_s']:.1f} | {s['goodput']['fraction']:.2f} | "
-                     f"{cache['hit_rate']:.1%} | {split} | {s['failed']} |")
+                     f"{cache['hit_rate']:.1%} | {'n/a' if oracle is None else f'{oracle:.1%}'} | {of_oracle} | "
+                     f"{split} | {s['failed']} |")
     return "\n".join(lines)
 
 
-def routing_section(result: dict[str, Any]) -> str:
-    """Section 4 of docs/benchmarks.md."""
+def _ttft(row: dict[str, Any], q: str = "p50") -> float | None:
+    return row["summary"]["ttft_s"][q]
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals as ratios from this one run: each {goal, value, target, met} (value None: a
+    policy it needs was not run). kv-pressure: precise's TTFT p50 >= 3x better than power_of_two's and
+    >= 1.5x better than Ray's router's, its engine hit rate >= 90% of the oracle's; shared-prefix: precise
+    no worse than approximate."""
+    rows = {row["policy"]: row for row in result["rows"]}
+    ours = rows.get("precise")
+    out: list[dict[str, Any]] = []
+
+    def ratio(goal: str, worse: float | None, better: float | None, target: float) -> None:
+        value = worse / better if worse is not None and better else None
+        out.append({"goal": goal, "value": value, "target": target,
+                    "met": None if value is None else value >= target})
+
+    def get(name: str, pick: Any) -> float | None:
+        return pick(rows[name]) if ours is not None and name in rows else None
+
+    if result.get("workload") == "kv-pressure":
+        ratio("TTFT p50: power_of_two / precise", get("power_of_two", _ttft), get("precise", _ttft), 3.0)
+        ratio("TTFT p50: ray_prefix_cache_affinity / precise", get("ray_prefix_cache_affinity", _ttft),
+              get("precise", _ttft), 1.5)
+        oracle = (ours or {}).get("oracle") or {}
+        ratio("engine hit rate: precise / its oracle", (ours or {}).get("engine_prefix_cache", {}).get("hit_rate"),
+              oracle.get("hit_rate"), 0.9)
+    else:
+        ratio("TTFT p50: approximate / precise", get("approximate", _ttft), get("precise", _ttft), 1.0)
+        ratio("TTFT p90: approximate / precise", get("approximate", lambda r: _ttft(r, "p90")),
+              get("precise", lambda r: _ttft(r, "p90")), 1.0)
+        ratio("engine hit rate: precise / approximate", get("precise", _hit_rate), get("approximate", _hit_rate), 1.0)
+    return out
+
+
+def _hit_rate(row: dict[str, Any]) -> float:
+    return row["engine_prefix_cache"]["hit_rate"]
+
+
+def goals_lines(result: dict[str, Any]) -> str:
+    lines = []
+    for g in goals(result):
+        mark = {True: "met", False: "not met", None: "n/a"}[g["met"]]
+        value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+        lines.append(f"- {g['goal']}: {value} (goal >= {g['target']:g}: {mark})")
+    return "\n".join(lines)
+
+
+def _against_precise(result: dict[str, Any]) -> str:
+    rows = {row["policy"]: row for row in result["rows"]}
+    base = rows.get("precise") or rows.get("prefix_aware")  # result files from before prefix_source
+    ratios = []
+    for other in ("approximate", "power_of_two", "least_connections", "ray_prefix_cache_affinity"):
+        if base and other in rows and _ttft(base) and _ttft(rows[other]) is not None:
+            ratios.append(f"{other} {_ttft(rows[other]) / _ttft(base):.1f}x")
+    return ", ".join(ratios) or "n/a"
+
+
+def routing_section(result: dict[str, Any], number: int = 4) -> str:
+    """Section 4 of docs/benchmarks.md (the shared-prefix comparison)."""
     import shlex
 
-    rows = {row["policy"]: row for row in result["rows"]}
-    ratios = []
-    base = rows.get("prefix_aware")
-    for other in ("power_of_two", "least_connections", "ray_prefix_cache_affinity"):
-        if base and other in rows:
-            ratio = rows[other]["summary"]["ttft_s"]["p50"] / base["summary"]["ttft_s"]["p50"]
-            ratios.append(f"{other} {ratio:.1f}x")
-    return f"""## 4. Routing policies, 2 replicas
+    base = "precise" if any(r["policy"] == "precise" for r in result["rows"]) else "prefix_aware"
+    goal = f"\n\n`precise` against `approximate` (the goal: no worse):\n\n{goals_lines(result)}" \
+        if base == "precise" else ""
+    return f"""## {number}. Routing policies, 2 replicas
 
 `shunter bench routing`: {result['replicas']} replicas of `{result['model']}` (one core each), deployed fresh
 for each policy (cold caches, a new gateway), then `shunter bench run {shlex.join(result['workload_options'])}`.
 The engine columns come from the replicas' own prefix-cache counters (prompt tokens looked up and found
-cached), read before and after each run.
+cached), read before and after each run; the oracle replays each run's prompts over caches of the engines'
+size with perfect knowledge of them (`shunter.bench.kv_oracle`): the ceiling of the hit rate.
 
 {routing_table(result['rows'])}
 
-TTFT p50 of each policy against `prefix_aware`: {', '.join(ratios) or 'n/a'} (higher is worse).
+TTFT p50 of each policy against `{base}`: {_against_precise(result)} (higher is worse).{goal}
+"""
+
+
+def kv_pressure_section(result: dict[str, Any], number: int = 7) -> str:
+    """A section of docs/benchmarks.md: the kv-pressure comparison (`--workload kv-pressure`)."""
+    import shlex
+
+    rows = result["rows"]
+    sizing = pressure_line(rows[0]).split("; distinct full")[0] if rows else "n/a"
+    blocks = [(row["policy"], row["oracle"]) for row in rows if row.get("oracle")]
+    if blocks:
+        sizing += ("; distinct full prompt blocks each run really sent (chat template and answers included): "
+                   + ", ".join(f"{name} {o['distinct_blocks']:,} ({o['distinct_over_capacity']:.1f}x)"
+                               for name, o in blocks))
+    extra = result["engine"].get("extra_engine_args", {})
+    return f"""## {number}. Routing under KV-cache pressure, 2 replicas
+
+`shunter bench routing --workload kv-pressure`: {result['replicas']} replicas of `{result['model']}` (one core
+each) with a small KV cache (vLLM `num_gpu_blocks_override: {extra.get('num_gpu_blocks_override')}`,
+`max_model_len: {result['engine'].get('max_model_len')}`), deployed fresh for each policy, then
+`shunter bench run {shlex.join(result['workload_options'])}`: long system prompts of Zipf-skewed popularity,
+multi-turn sessions whose history grows (each turn resends the conversation with the server's answers),
+several sessions in flight at once. The distinct prompt tokens outgrow one replica's cache. {sizing}.
+
+The engine columns come from the replicas' own prefix-cache counters; the oracle replays each run's own
+prompts, in the order they were sent, over LRU caches of the engines' size with perfect knowledge of them
+and the same balance bound (`routing.max_load_gap`), ignoring timing, in-flight requests and decode blocks:
+the ceiling of the hit rate (`shunter.bench.kv_oracle`).
+
+{routing_table(rows)}
+
+TTFT p50 of each policy against `precise`: {_against_precise(result)} (higher is worse).
+
+Goals, as ratios from this run:
+
+{goals_lines(result)}
 """
 
 
@@ -137,18 +348,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shunter bench routing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=Path("configs/local.yaml"))
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="shared-prefix",
+                        help="shared-prefix: groups that fit any cache; kv-pressure: distinct prompt tokens about "
+                        "3.5x a replica's (small) KV cache, Zipf-skewed groups, multi-turn sessions")
+    parser.add_argument("--kv-blocks", type=int, default=KV_PRESSURE_BLOCKS,
+                        help="kv-pressure: KV blocks per replica (vLLM num_gpu_blocks_override; one is vLLM's "
+                        "null block, each holds 128 tokens)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
-    parser.add_argument("--out", type=Path, default=Path("results/routing.json"))
+    parser.add_argument("--out", type=Path,
+                        help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if (args.kv_blocks - 1) * 128 < KV_PRESSURE_MAX_MODEL_LEN:
+        parser.error(f"--kv-blocks must hold one {KV_PRESSURE_MAX_MODEL_LEN}-token sequence: at least "
+                     f"{KV_PRESSURE_MAX_MODEL_LEN // 128 + 1}")
     from shunter.bench.runner import environment
 
-    result = compare_routing(args.config, args.model, policies)
-    print("\n" + routing_table(result["rows"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "routing", **result, **environment()}, indent=1))
-    print(f"\nwritten to {args.out}")
+    result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks)
+    pressure = args.workload == "kv-pressure"
+    print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
+    out = args.out or Path("results/routing-kv-pressure.json" if pressure else "results/routing.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "routing-kv-pressure" if pressure else "routing", **result,
+                               **environment()}, indent=1))
+    print(f"\nwritten to {out} ({result['wall_s']:.0f} s)")
     return 0

@@ -307,6 +307,14 @@ class ModelConfig(StrictModel):
         return "prefix_aware" if self.prefix_caching else "least_connections"
 
     @property
+    def precise_prefix_routing(self) -> bool:
+        """Whether the replicas report what their engines' KV caches hold (from vLLM's KV-cache events) for
+        the routers: prefix-aware routing of a generate model with prefix caching, unless the config asks
+        for `routing.prefix_source: approximate`."""
+        return (self.task == "generate" and self.prefix_caching and self.routing_policy == "prefix_aware"
+                and self.routing.prefix_source != "approximate")
+
+    @property
     def names(self) -> list[str]:
         """Every name this model answers to, its own first."""
         return [self.name, *self.aliases]
