@@ -52,6 +52,9 @@ log = logging.getLogger("ray.serve")
 _ENDPOINT_TASK = {"chat": "generate", "completion": "generate", "embedding": "embed", "responses": "generate",
                   "messages": "generate"}
 REPLICA_HEADER = "x-shunter-replica"  # which replica served the request: for operators and tests
+# What share of the prompt the router believed the chosen replica held: "<share> precise|approximate" (the
+# usage's prompt_tokens_details.cached_tokens says how many tokens its engine really had).
+PREFIX_HEADER = "x-shunter-prefix-predicted"
 VERSION_HEADER = "x-shunter-version"  # which version of the model served it
 SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
 
@@ -257,6 +260,9 @@ class Forwarder:
             first_byte_s = time.monotonic() - began
             tel.answered()
             headers = {REPLICA_HEADER: started.replica, VERSION_HEADER: version}
+            prediction = routing.prediction(started.routing_id)
+            if prediction is not None:
+                headers[PREFIX_HEADER] = f"{prediction[0]:.3f} {prediction[1]}"
             if not started.head["stream"]:
                 tel.whole_reply(started.head["body"])
                 routing.record_outcome(started.replica, False)

@@ -30,7 +30,8 @@ EXPORT_PERIOD_S = 5.0
 _NAMES = ("shunter_engine_kv_cache_usage_ratio", "shunter_engine_prefix_cache_queries_total",
           "shunter_engine_prefix_cache_hits_total", "shunter_engine_requests_running",
           "shunter_engine_requests_waiting", "shunter_adapter_loads_total", "shunter_adapter_load_seconds_total",
-          "shunter_adapters_held")
+          "shunter_adapters_held", "shunter_prefix_view_blocks", "shunter_prefix_view_held_keys",
+          "shunter_kv_event_lag_seconds", "shunter_kv_event_losses_total")
 _get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
 
 
@@ -43,6 +44,7 @@ class EngineMetrics:
         self._sent_queries = self._sent_hits = 0
         self._sent_loads: dict[str, int] = {}
         self._sent_load_seconds = 0.0
+        self._sent_losses = 0
 
     def export_once(self) -> None:
         counters = getattr(self.engine, "counters", None)
@@ -62,6 +64,19 @@ class EngineMetrics:
         adapters = getattr(self.engine, "adapters", None)
         if adapters is not None:
             self._export_adapters(m, adapters)
+        view = getattr(self.engine, "prefix_view", None)
+        if view is not None:
+            self._export_prefix_view(m, view.summary())
+
+    def _export_prefix_view(self, m: dict[str, Any], view: dict[str, Any]) -> None:
+        """Precise prefix routing's view of this engine (shunter.kv_events): its size and the events' health."""
+        m["shunter_prefix_view_blocks"].set(view["blocks"], tags=self.tags)
+        m["shunter_prefix_view_held_keys"].set(view["held_keys"], tags=self.tags)
+        m["shunter_kv_event_lag_seconds"].set(view["last_lag_s"], tags=self.tags)
+        losses = view.get("losses", 0)
+        if losses > self._sent_losses:
+            m["shunter_kv_event_losses_total"].inc(losses - self._sent_losses, tags=self.tags)
+            self._sent_losses = losses
 
     def _export_adapters(self, m: dict[str, Any], adapters: Any) -> None:
         m["shunter_adapters_held"].set(len(adapters.held()), tags=self.tags)

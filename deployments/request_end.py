@@ -126,7 +126,8 @@ class RequestEnd:
             reply.on_release()
         if reply.drains is not None:
             reply.drains.closed(reply.replica, reply.routing.departed_at(reply.replica), aborted)
-        reply.routing.finished(reply.routing_id)
+        reply.routing.finished(reply.routing_id, cached_tokens=self.tel.cached_tokens,
+                               prompt_tokens=self.tel.prompt_tokens)
         if ok is not None and reply.outcome is not None:
             reply.outcome(ok)
 

@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shunter import tracing
-from shunter.deployments.wire_formats import EVENT_APIS, read_event, whole_usage
+from shunter.deployments.wire_formats import EVENT_APIS, cached_prompt_tokens, read_event, whole_usage
 from shunter.metric_catalog import build
 from shunter.ray_metrics import LazyMetrics
 from shunter.replica_protocol import AdapterRoute
@@ -86,6 +86,7 @@ class RequestTelemetry:
         self.streamed = False
         self.last_chunk_at: float | None = None
         self.prompt_tokens = self.completion_tokens = 0
+        self.cached_tokens: int | None = None  # prompt tokens the engine had cached, where its usage says
         self.replica: str | None = None
         self._queued = False
         self._flying = False
@@ -248,6 +249,7 @@ class RequestTelemetry:
         """A non-streamed reply: its arrival is the first (and last) token."""
         self.first_token_at = time.monotonic()
         usage = whole_usage(body)
+        self.cached_tokens = cached_prompt_tokens(body.get("usage") if isinstance(body, dict) else None)
         if usage is not None:
             self.prompt_tokens, self.completion_tokens = usage
 
@@ -306,6 +308,7 @@ class RequestTelemetry:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _usage(self, usage: dict[str, Any]) -> None:
+        self.cached_tokens = cached_prompt_tokens(usage)
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.completion_tokens = int(usage.get("completion_tokens") or 0)
 

@@ -102,6 +102,15 @@ def read_event(endpoint: str, text: str) -> StreamEvent:
     return _NOTHING
 
 
+def cached_prompt_tokens(usage: Any) -> int | None:
+    """The prompt tokens the engine found in its prefix cache, where a usage says (vLLM with
+    `enable_prompt_tokens_details`: `prompt_tokens_details.cached_tokens`; Responses: `input_tokens_details`)."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
 def whole_usage(body: Any) -> tuple[int, int] | None:
     """(prompt, completion) tokens of a whole reply in any of the APIs' shapes, or None without usage."""
     usage = body.get("usage") if isinstance(body, dict) else None

@@ -138,7 +138,9 @@ class ShunterGuard:
         self._count_until_done(replica, request_id, result, prefill_tokens=key.uncached_tokens(matched) + load,
                                adapter=adapter)
         if key.chars:
-            metrics.prefix_match(state.model, state.version, min(1.0, matched * key.chunk_chars / key.chars))
+            share = min(1.0, matched * key.chunk_chars / key.chars)
+            metrics.prefix_match(state.model, state.version, share)
+            state.predicted(request_id, replica, share)
         reason = self._reason(pending_request, replica, matched)
         if reason:
             metrics.decision(state.model, state.version, state.policy, reason)

@@ -42,6 +42,7 @@ class DeploymentRouting:
         # A request's blocks reach a replica's report after its prefill and the next stats poll.
         self.prefix = PrefixIndex(speculation_s=max(SPECULATION_S, 3 * config.stats_period_s))
         self._prefix_reports: dict[str, Any] = {}  # replica -> the id of its last prefix report taken
+        self._predictions: dict[str, tuple[float, str]] = {}  # request id -> (predicted share cached, source)
         self.breakers = BreakerBoard(config.breaker, clock, on_transition=self._breaker_changed)
         self.clock = clock
         self.inflight: dict[str, int] = {}  # replica -> requests in flight there (the size of its flights)
@@ -246,7 +247,20 @@ class DeploymentRouting:
                 self._probes.discard(request_id)
                 self.breakers.on_probe_done(replica)
 
-    def finished(self, request_id: str) -> None:
+    def predicted(self, request_id: str, replica: str, share: float) -> None:
+        """What share of the request's prompt the router believed the chosen replica held: compared with
+        what its engine really had cached when the request finishes (`finished`)."""
+        with self._lock:
+            self._predictions[request_id] = (share, "precise" if self.prefix.is_precise(replica) else "approximate")
+            while len(self._predictions) > _PREDICTIONS_KEPT:  # requests whose end was never reported
+                self._predictions.pop(next(iter(self._predictions)))
+
+    def prediction(self, request_id: str) -> tuple[float, str] | None:
+        """(predicted share of the prompt cached, source) of a routed request not finished yet."""
+        with self._lock:
+            return self._predictions.get(request_id)
+
+    def finished(self, request_id: str, cached_tokens: int | None = None, prompt_tokens: int = 0) -> None:
         """The gateway is done with the request (answered, failed, or cancelled): whatever replica still
         counts it, in flight or by reservation, stops counting it. The id is remembered for a while: Ray
         reports a request routed only after the replica accepted it, on the router's own event loop, and a
@@ -254,6 +268,7 @@ class DeploymentRouting:
         would stay in flight for good. The gateway gives every attempt its own id, so a retry is never
         mistaken for the attempt that finished."""
         with self._lock:
+            prediction = self._predictions.pop(request_id, None)
             for replica in [r for r, q in self._flights if q == request_id]:
                 self.completed(replica, request_id)
             self._prefilled(request_id)
@@ -263,6 +278,12 @@ class DeploymentRouting:
             if request_id not in self._finished:
                 self._finished.add(request_id)
                 self._finished_order.append((now, request_id))
+        if prediction is not None and cached_tokens is not None and prompt_tokens > 0:
+            predicted = round(prediction[0] * prompt_tokens)
+            try:  # the request's end goes on whatever the metrics say (its rollout sample is recorded after)
+                metrics.prefix_prediction(self.model, self.version, prediction[1], predicted, cached_tokens)
+            except Exception:  # noqa: BLE001
+                log.warning("recording a prefix prediction failed", exc_info=True)
 
     def _prefilled(self, request_id: str) -> None:
         entry = self._prefill.pop(request_id, None)
@@ -339,6 +360,8 @@ class AdapterResidency:
             held.popitem(last=False)
 
 
+# Predictions kept for requests in flight, at most (each is dropped when its request finishes).
+_PREDICTIONS_KEPT = 10_000
 # Keys sent to a replica count as held this long at least, precise or not (see PrefixIndex.reported).
 SPECULATION_S = 10.0
 # Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a

@@ -248,6 +248,9 @@ class VLLMEngine:
             # ipc sockets: the engine core is this process's child, so nothing crosses hosts or takes a port.
             endpoints = ipc_endpoints(f"shunter-kv-{os.getpid()}")
             namespace.kv_events_config = engine_kv_events_config(*endpoints)
+            # Usage then says how many prompt tokens the engine found cached (OpenAI's
+            # prompt_tokens_details.cached_tokens): the gateway compares it with the router's prediction.
+            namespace.enable_prompt_tokens_details = True
         # vLLM's own checks of its server's arguments (the chat template, auto tool choice's parser).
         from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 

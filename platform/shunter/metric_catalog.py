@@ -24,6 +24,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+# Tokens one prediction missed by: within a block (128 on CPU, 16 on GPU), a few blocks, a whole prompt.
+PREDICTION_ERROR_BUCKETS = (16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
 DRAIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -110,6 +112,14 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_routing_prefix_match_ratio", "histogram", _MV,
                "Share of each routed prompt that the chosen replica held in its KV cache (as the router "
                "believes).", "router", RATIO_BUCKETS),
+    MetricSpec("shunter_routing_prefix_predicted_tokens_total", "counter", (*_MV, "source"),
+               "Prompt tokens the router predicted the chosen replica held, per routed request whose engine "
+               "reported its cached tokens; source: precise (the replica's KV-event report) or approximate.",
+               "router"),
+    MetricSpec("shunter_routing_prefix_cached_tokens_total", "counter", (*_MV, "source"),
+               "Prompt tokens the chosen replica's engine really had cached for the same requests.", "router"),
+    MetricSpec("shunter_routing_prefix_prediction_error_tokens", "histogram", (*_MV, "source"),
+               "Per routed request: |predicted - cached| prompt tokens.", "router", PREDICTION_ERROR_BUCKETS),
     MetricSpec("shunter_breaker_state", "gauge", (*_MV, "replica"),
                "Circuit breaker per replica: 0 closed, 1 half-open, 2 open.", "router"),
     MetricSpec("shunter_breaker_transitions_total", "counter", (*_MV, "replica", "to"),
@@ -139,6 +149,17 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Seconds the replica's engine spent loading LoRA adapters.", "replica"),
     MetricSpec("shunter_adapters_held", "gauge", (*_MV, "replica"),
                "LoRA adapters the replica's engine holds in host memory.", "replica"),
+    MetricSpec("shunter_prefix_view_blocks", "gauge", (*_MV, "replica"),
+               "Precise prefix routing: KV blocks the replica's view of its engine's cache holds (from the "
+               "engine's KV-cache events).", "replica"),
+    MetricSpec("shunter_prefix_view_held_keys", "gauge", (*_MV, "replica"),
+               "Precise prefix routing: router prefix keys the replica reports its engine holds.", "replica"),
+    MetricSpec("shunter_kv_event_lag_seconds", "gauge", (*_MV, "replica"),
+               "Precise prefix routing: from the engine publishing its last KV-event batch to the replica "
+               "applying it.", "replica"),
+    MetricSpec("shunter_kv_event_losses_total", "counter", (*_MV, "replica"),
+               "Precise prefix routing: KV-event gaps the replay socket could not fill (the view was rebuilt).",
+               "replica"),
     # ---- autoscaling, from the queue-depth policy in Ray Serve's controller ----------------------------
     MetricSpec("shunter_autoscaling_desired_replicas", "gauge", _MV,
                "Replicas the queue-depth policy asks for (0 for a retired version).", "autoscaler"),

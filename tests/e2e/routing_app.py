@@ -1,7 +1,9 @@
-"""The app two e2e modules share: two replicas of SmolLM2 (one core each) behind the prefix-aware router,
-with LoRA adapters. tests/e2e/test_routing_prefixes.py routes shared prompt prefixes and drains replicas;
+"""The app three e2e modules share: two replicas of SmolLM2 (one core each) behind the prefix-aware router
+(precise: the replicas report what their engines' KV caches hold), with LoRA adapters.
+tests/e2e/test_routing_prefixes.py routes shared prompt prefixes and drains replicas;
+tests/e2e/test_routing_precise.py evicts a prompt with long answers and follows the engines' caches;
 tests/e2e/test_routing_adapters.py routes adapters, adds and removes them, and checks their answers
-against vLLM's own. One app start for both (tests/e2e/conftest.py stops it after the last test that uses
+against vLLM's own. One app start for all three (tests/e2e/conftest.py stops it after the last test that uses
 it); they sort next to each other by file name.
 
 The engines run LoRA with one adapter in a batch and one in host memory (max_loras 1, max_cpu_loras 1),
@@ -97,7 +99,10 @@ def args(secrets: Path, adapters: dict[str, str]) -> dict[str, Any]:
         "models": [{
             "name": MODEL, "source": "builtin:smollm2-135m-instruct", "replicas": 2, "cpu_cores_per_replica": 1,
             "engine": {"max_model_len": 2048, "max_num_seqs": 16, "cpu_kv_cache_gib": 1,
-                       "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
+                       "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8,
+                       # 32 blocks of 128 tokens (two longest prompts): a few long answers evict a
+                       # prompt (tests/e2e/test_routing_precise.py)
+                       "extra_engine_args": {"num_gpu_blocks_override": 32}},
             "adapters": [*({"name": n, "source": adapters[n]} for n in (*ADAPTERS, BROKEN)),
                          {"name": CLOUD, "source": f"s3://{BUCKET}/{CLOUD}"},
                          {"name": GHOST, "source": f"s3://{BUCKET}/{GHOST}"}],

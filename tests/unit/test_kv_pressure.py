@@ -91,8 +91,8 @@ def test_the_bench_configuration_outgrows_a_replicas_kv_cache_twice():
     sessions, workload = build_sessions(args)
     capacity = (KV_PRESSURE_BLOCKS - 1) * 128
     assert workload["distinct_prefix_tokens"] >= 2 * capacity, (workload["distinct_prefix_tokens"], capacity)
-    assert workload["kind"] == "kv-pressure" and workload["requests"] == 40 * 4
-    assert workload["longest_session_tokens"] + 8 * 8 <= longest_request_tokens(KV_PRESSURE_WORKLOAD)
+    assert workload["kind"] == "kv-pressure" and workload["requests"] == 64 * 2
+    assert workload["longest_session_tokens"] + 8 * (1 + 2 * args.turns) <= longest_request_tokens(KV_PRESSURE_WORKLOAD)
     assert longest_request_tokens(KV_PRESSURE_WORKLOAD) <= KV_PRESSURE_MAX_MODEL_LEN
     engine = kv_pressure_engine({"max_model_len": 4096, "extra_engine_args": {"x": 1}})
     assert engine == {"max_model_len": KV_PRESSURE_MAX_MODEL_LEN,

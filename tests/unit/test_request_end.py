@@ -59,7 +59,7 @@ class Routing:
     def __init__(self, departed: float | None = None):
         self.departed, self.finished_ids, self.outcomes = departed, [], []
 
-    def finished(self, routing_id: str) -> None:
+    def finished(self, routing_id: str, cached_tokens: int | None = None, prompt_tokens: int = 0) -> None:
         self.finished_ids.append(routing_id)
 
     def departed_at(self, replica: str) -> float | None:
