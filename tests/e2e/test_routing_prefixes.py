@@ -7,11 +7,13 @@
   runs `routing.max_load_gap` requests ahead (or the prefill queued there costs more than prefilling
   elsewhere), the other replica takes some, and caches the prefix too;
 - an operator drains a replica through the admin API: cordoned, it gets no new request (released, it
-  gets them again); the last routable replica is not drained without `force`; drained with `replace`,
-  Ray Serve replaces it once it is idle, and its replacement serves.
+  gets them again); the last routable replica is not drained without `force`; `shunter replicas drain`
+  cordons it for replacement (Ray Serve's replacing it once idle is shown with fake engines, which start
+  in seconds: tests/integration/test_rollouts.py).
 
 The app (tests/e2e/routing_app.py, two engines of one core each, with keys and LoRA adapters) is shared
-with tests/e2e/test_routing_adapters.py; these requests name the base model only.
+with tests/e2e/test_routing_adapters.py and test_routing_precise.py; these requests name the base model
+only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -135,8 +136,8 @@ def _drain(app: LiveApp, replica: str, method: str = "POST", **body: Any) -> htt
                          json=body if method != "DELETE" else None, headers=ADMIN_HEADERS, timeout=60)
 
 
-def test_an_operator_drains_a_replica_and_ray_serve_replaces_it_once_idle(two_replicas):
-    app, handle = two_replicas
+def test_an_operator_drains_a_replica_with_the_api_and_the_cli(two_replicas):
+    app, _ = two_replicas
     client = app.openai()
     listed = _replicas(app)
     assert [r["cordoned"] for r in listed] == [False, False], listed
@@ -157,13 +158,6 @@ def test_an_operator_drains_a_replica_and_ray_serve_replaces_it_once_idle(two_re
     assert f"replica {drained} of {MODEL} (version default) cordoned: Ray Serve replaces it once idle" in said, said
     assert f"{drained}  version default  CORDONED" in _cli(app, "replicas", "list", MODEL)
     assert {_ask(client, "Be brief.", f"Name {i}.") for i in range(6)} == {kept}
-    deadline, now = time.monotonic() + 300, [r["replica"] for r in listed]
-    while time.monotonic() < deadline:  # Serve's health check fails it, stops it and starts another
-        now = [r["replica"] for r in _replicas(app)]
-        if drained not in now and len(now) == 2:
-            break
-        time.sleep(1)
-    assert drained not in now and kept in now and len(now) == 2, now
-    (replacement,) = set(now) - {kept}
-    assert _counters(handle, replacement)["replica"] == replacement
-    assert not any(r["cordoned"] for r in _replicas(app)), "the cordon went with the replica"
+    # Ray Serve then replaces the drained replica once it is idle (its health check fails): shown with fake
+    # engines in tests/integration/test_rollouts.py, where a replica starts in
+    # seconds; here a new engine would add half a minute. The app is stopped after this module.

@@ -266,6 +266,7 @@ def suite_main(argv: list[str] | None = None) -> int:
     baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
     routing = compare_routing(args.config, args.model, list(POLICIES))
+    kv_pressure = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure")
     from shunter.cli.bench_saturation import measure as saturation
 
     result["saturation"] = [*saturation(args.config, args.model, 256, 1, 32, with_vllm_server=True),
@@ -279,6 +280,9 @@ def suite_main(argv: list[str] | None = None) -> int:
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
     (args.results / "routing.json").write_text(json.dumps({"benchmark": "routing", **routing, **env}, indent=1))
     result["routing"] = routing
+    (args.results / "routing-kv-pressure.json").write_text(
+        json.dumps({"benchmark": "routing", **kv_pressure, **env}, indent=1))
+    result["kv_pressure"] = kv_pressure
     (args.results / "lora.json").write_text(json.dumps({"benchmark": "lora", **lora, **env}, indent=1))
     result["lora"] = lora
     img = args.docs / "img"
@@ -293,7 +297,7 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
     from shunter.cli.bench_lora import lora_section
-    from shunter.cli.bench_routing import routing_section
+    from shunter.cli.bench_routing import kv_pressure_section, routing_section
     from shunter.cli.bench_saturation import table as saturation_table
 
     machine = env["machine"]
@@ -302,7 +306,7 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
     return f"""# Benchmarks
 
 Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`,
-`results/routing.json` and `results/lora.json`. Benchmarks
+`results/routing.json`, `results/routing-kv-pressure.json` and `results/lora.json`. Benchmarks
 report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
 30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
 
@@ -355,7 +359,9 @@ vLLM's server queues everything. Wall time and TTFT are over the requests each s
 
 {_saturation_ratios(result["saturation"])}
 
-{lora_section(result["lora"], 6)}"""
+{lora_section(result["lora"], 6)}
+
+{kv_pressure_section(result["kv_pressure"], 7)}"""
 
 
 def _saturation_ratios(rows: list[dict[str, Any]]) -> str:

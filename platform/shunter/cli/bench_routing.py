@@ -10,8 +10,8 @@ through an oracle that knows every replica's cache (`shunter.bench.kv_oracle`): 
 Workloads (`--workload`):
 - `shared-prefix` (default): 16 long system prompts x 4 users; the prompts of one group fit any replica's
   cache, so what separates the policies is whether a group's requests meet the replica that prefilled it;
-- `kv-pressure`: 16 groups of Zipf-skewed popularity and 64 two-turn sessions whose history grows, on
-  engines with a small KV cache (92 blocks of 128 tokens each): the distinct prompt blocks are about 2.8x one
+- `kv-pressure`: 12 groups of Zipf-skewed popularity and 64 two-turn sessions whose history grows, on
+  engines with a small KV cache (92 blocks of 128 tokens each): the distinct prompt blocks are about 2.3x one
   replica's capacity, so replicas evict, and a router must know what each one still holds.
 
 Policies: Shunter's `prefix_aware` with the engines' KV events (`precise`) and with its own record of what
@@ -41,16 +41,18 @@ POLICIES: dict[str, dict[str, Any]] = {
 WORKLOAD = ["--workload", "shared-prefix", "--groups", "16", "--users", "4", "--system-len", "1024",
             "--question-len", "uniform:16:32", "--output-len", "fixed:32", "--concurrency", "8",
             "--slo-ttft-ms", "2000", "--slo-itl-ms", "150", "--seed", "0"]
-# 16 system prompts of 1,536 tokens, Zipf(0.5) popularity; 64 sessions of 2 turns, 4 in flight, whose
-# history grows by 64-128 user tokens and a 16-token answer a turn: about 2.8x a replica's 91 usable blocks
-# (11,648 tokens) in distinct prompt blocks, 1.4x both replicas'. Sized so that the prompts fit the two
-# caches split between them but not one cache: a router that keeps each group on one replica hits, one that
-# spreads groups makes every cache hold them all, and they thrash. Replayed with stand-in answers
-# (shunter.bench.kv_oracle.simulate), the oracle hits about 75% of the prompt
-# tokens, random routing about 48%; the longest prompt is about 1.8k tokens, within max_model_len.
-KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "16", "--conversations", "64", "--turns", "2",
+# 12 system prompts of 1,536 tokens, Zipf(0.3) popularity; 64 sessions of 2 turns, 4 in flight, whose
+# history grows by 64-128 user tokens and a 16-token answer a turn: about 2.3x a replica's 91 usable blocks
+# (11,648 tokens) in distinct prompt blocks, a little more than both replicas hold. Sized so that the
+# prompts about fit the two caches split between them but not one cache: a router that keeps each group on
+# one replica hits, one that spreads groups makes every cache hold them all, and they thrash. Replayed with
+# stand-in answers (shunter.bench.kv_oracle.simulate), the oracle hits about 81% of the prompt tokens,
+# random routing about 53%; the longest prompt is about 1.8k tokens, within max_model_len. (A first sizing,
+# 16 groups at Zipf 0.5, left less room between the two: oracle 75%, random 48%, the caches too full for
+# either; see docs/benchmarks.md section 7.)
+KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "12", "--conversations", "64", "--turns", "2",
                         "--system-len", "1536", "--turn-len", "uniform:64:128", "--output-len", "fixed:16",
-                        "--zipf", "0.5", "--concurrency", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
+                        "--zipf", "0.3", "--concurrency", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
                         "--seed", "0"]
 WORKLOADS = {"shared-prefix": WORKLOAD, "kv-pressure": KV_PRESSURE_WORKLOAD}
 # A small KV cache. `engine.cpu_kv_cache_gib` takes whole GiB only (1 GiB = 364 blocks of SmolLM2), so the
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="shared-prefix",
                         help="shared-prefix: groups that fit any cache; kv-pressure: distinct prompt tokens about "
-                        "2.8x a replica's (small) KV cache, Zipf-skewed groups, multi-turn sessions")
+                        "2.3x a replica's (small) KV cache, Zipf-skewed groups, multi-turn sessions")
     parser.add_argument("--kv-blocks", type=int, default=KV_PRESSURE_BLOCKS,
                         help="kv-pressure: KV blocks per replica (vLLM num_gpu_blocks_override; one is vLLM's "
                         "null block, each holds 128 tokens)")
