@@ -430,6 +430,9 @@ def observing_prompts(generate: Callable[..., AsyncIterator[Any]]) -> Callable[.
         stream = generate(*args, **kwargs)
         if observer is None:
             return stream
+        # A request's keys are its first prompt's (a batch of completions is keyed by its first prompt,
+        # which vLLM's handler submits first): later prompts of the request are not linked to them.
+        prompt_observer.set(None)
         lora = kwargs.get("lora_request")
         return _first_output(stream, observer, getattr(lora, "lora_name", None))
 

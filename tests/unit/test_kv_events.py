@@ -381,3 +381,43 @@ def test_engine_config_and_endpoints():
     config = engine_kv_events_config(pub, replay)
     assert (config.enable_kv_cache_events, config.publisher, config.endpoint, config.replay_endpoint,
             config.topic) == (True, "zmq", pub, replay, "kv")
+
+
+# ---- the replica's hook into vLLM's generate -------------------------------------------------------------
+
+
+def test_only_a_requests_first_prompt_is_observed_and_a_hang_up_closes_the_engines_stream():
+    import asyncio
+    from types import SimpleNamespace
+
+    from shunter.kv_events import observing_prompts, prompt_observer
+
+    closed: list[str] = []
+
+    async def generate(prompt, params, request_id, lora_request=None):
+        try:
+            for step in range(3):
+                yield SimpleNamespace(prompt_token_ids=prompt, step=step)
+        finally:
+            closed.append(request_id)
+
+    async def run() -> list[tuple[list[int], str | None]]:
+        seen: list[tuple[list[int], str | None]] = []
+        observed = observing_prompts(generate)
+
+        async def request() -> None:  # one request's task, as the replica runs it
+            prompt_observer.set(lambda tokens, lora: seen.append((list(tokens), lora)))
+            first = observed([1, 2, 3], None, "a", lora_request=SimpleNamespace(lora_name="legal"))
+            second = observed([7, 8], None, "b")  # a batch's second prompt
+            async for _ in second:
+                pass
+            async for _ in first:
+                break  # the client hangs up after one output
+            await first.aclose()
+
+        await asyncio.create_task(request())
+        assert prompt_observer.get() is None, "the observer stays with the request's task"
+        return seen
+
+    assert asyncio.run(run()) == [([1, 2, 3], "legal")]
+    assert sorted(closed) == ["a", "b"], "closing the wrapper closes vLLM's stream (which aborts the request)"

@@ -55,6 +55,11 @@ KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "12", "--conver
                         "--zipf", "0.3", "--concurrency", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
                         "--seed", "0"]
 WORKLOADS = {"shared-prefix": WORKLOAD, "kv-pressure": KV_PRESSURE_WORKLOAD}
+# Gateway replicas, each with its own router. Production runs several (one per ingress process, for
+# throughput and availability); under KV pressure that is where a router's picture of the caches comes
+# apart from the truth: each gateway sees only its own traffic, so two of them spread one group over both
+# replicas unless the replicas say what they hold.
+GATEWAYS = {"shared-prefix": 1, "kv-pressure": 2}
 # A small KV cache. `engine.cpu_kv_cache_gib` takes whole GiB only (1 GiB = 364 blocks of SmolLM2), so the
 # engine's block count is set directly (vLLM's num_gpu_blocks_override, which its CPU build honours): 92
 # blocks, one of them vLLM's null block, i.e. 91 x 128 = 11,648 tokens, what 0.25 GiB would give.
@@ -118,7 +123,9 @@ def kv_capacity(handle: Any, stats: dict[str, dict[str, Any]]) -> tuple[int, int
 
 
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2,
-                    workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS) -> dict[str, Any]:
+                    workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS,
+                    gateways: int | None = None) -> dict[str, Any]:
+    """`gateways`: gateway replicas, each with its own router (default: GATEWAYS[workload])."""
     from ray import serve
     from transformers import AutoTokenizer
 
@@ -131,6 +138,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from shunter.serve_plan import deployment_name
 
     options = WORKLOADS[workload]
+    gateways = gateways or GATEWAYS[workload]
     cfg, model, path = generate_model_of(config, model_name)
     engine = model.engine.model_dump(mode="json")
     if workload == "kv-pressure":
@@ -145,9 +153,11 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
         for name in policies:
             spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name],
                     "engine": engine}
-            app_cfg = ShunterConfig.model_validate({**cfg.model_dump(mode="json"), "models": [spec]})
-            print(f"\n== {name}: deploying {replicas} fresh replicas ({time.perf_counter() - started:.0f} s in)",
-                  flush=True)
+            base_cfg = cfg.model_dump(mode="json")
+            app_cfg = ShunterConfig.model_validate({**base_cfg, "models": [spec],
+                                                    "gateway": {**base_cfg["gateway"], "replicas": gateways}})
+            print(f"\n== {name}: deploying {replicas} fresh replicas behind {gateways} gateway(s) "
+                  f"({time.perf_counter() - started:.0f} s in)", flush=True)
             local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
             ids = replica_ids(handle, replicas)
@@ -190,7 +200,8 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             print(routing_table(rows[-1:]), flush=True)
             print(pressure_line(rows[-1]), flush=True)
             serve.delete(APP)
-    return {"model": model.name, "replicas": replicas, "workload": workload, "workload_options": options,
+    return {"model": model.name, "replicas": replicas, "gateways": gateways, "workload": workload,
+            "workload_options": options,
             "engine": engine, "wall_s": time.perf_counter() - started, "rows": rows}
 
 
@@ -322,7 +333,8 @@ def kv_pressure_section(result: dict[str, Any], number: int = 7) -> str:
 
 `shunter bench routing --workload kv-pressure`: {result['replicas']} replicas of `{result['model']}` (one core
 each) with a small KV cache (vLLM `num_gpu_blocks_override: {extra.get('num_gpu_blocks_override')}`,
-`max_model_len: {result['engine'].get('max_model_len')}`), deployed fresh for each policy, then
+`max_model_len: {result['engine'].get('max_model_len')}`) behind {result.get('gateways', 1)} gateway replica(s), each
+with its own router (as production runs several), deployed fresh for each policy, then
 `shunter bench run {shlex.join(result['workload_options'])}`: long system prompts of Zipf-skewed popularity,
 multi-turn sessions whose history grows (each turn resends the conversation with the server's answers),
 several sessions in flight at once. The distinct prompt tokens outgrow one replica's cache. {sizing}.
@@ -357,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=KV_PRESSURE_BLOCKS,
                         help="kv-pressure: KV blocks per replica (vLLM num_gpu_blocks_override; one is vLLM's "
                         "null block, each holds 128 tokens)")
+    parser.add_argument("--gateways", type=int, default=None,
+                        help="gateway replicas, each with its own router (default: 1 for shared-prefix, 2 for "
+                        "kv-pressure)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--out", type=Path,
                         help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
@@ -370,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{KV_PRESSURE_MAX_MODEL_LEN // 128 + 1}")
     from shunter.bench.runner import environment
 
-    result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks)
+    if args.gateways is not None and args.gateways < 1:
+        parser.error("--gateways must be at least 1")
+    result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks,
+                             gateways=args.gateways)
     pressure = args.workload == "kv-pressure"
     print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
     out = args.out or Path("results/routing-kv-pressure.json" if pressure else "results/routing.json")
