@@ -284,6 +284,9 @@ def routing() -> Json:
     match, hits, lookups = ("shunter_routing_prefix_match_ratio", "shunter_engine_prefix_cache_hits_total",
                             "shunter_engine_prefix_cache_queries_total")
     per_replica = ("model", "version", "replica")
+    predicted, cached, error = ("shunter_routing_prefix_predicted_tokens_total",
+                                "shunter_routing_prefix_cached_tokens_total",
+                                "shunter_routing_prefix_prediction_error_tokens")
     cache_row = Row("Prefix cache", (
         timeseries("Prefix match ratio (router's estimate)", "Share of each routed prompt that the chosen "
                    "replica held in its KV cache, as the router believes (chunks of rendered text, not "
@@ -296,6 +299,18 @@ def routing() -> Json:
                    [Query(mean(match, MODEL_VERSION, ("model",)), "{{model}} router estimate"),
                     Query(share(rate(hits, MODEL_VERSION, ("model",)), rate(lookups, MODEL_VERSION, ("model",))),
                           "{{model}} engine hit rate")], unit=PERCENT_UNIT, max_value=1),
+        timeseries("Predicted vs cached prompt tokens/s", "Per routed request, the prompt tokens the router "
+                   "predicted the chosen replica held (precise: from the replicas' KV-event reports; "
+                   "approximate: from what it sent) beside the tokens that engine really found cached (its "
+                   "usage's cached_tokens). Predicted above cached: the router's picture of the caches is stale.",
+                   [Query(rate(predicted, MODEL_VERSION, ("model", "source")), "{{model}} predicted ({{source}})"),
+                    Query(rate(cached, MODEL_VERSION, ("model", "source")), "{{model}} cached ({{source}})")],
+                   unit="short"),
+        timeseries("Prediction error per request (p90)", "How far each request's predicted cached tokens were "
+                   "from the engine's: within a KV block (128 tokens on CPU, 16 on GPU) is as good as the "
+                   "router's character chunks can be.",
+                   [Query(quantile(0.9, error, MODEL_VERSION, ("model", "source")), "{{model}} p90 ({{source}})")],
+                   unit="short"),
         timeseries("Engine prefix-cache hit rate per replica", "Prompt tokens each engine found in its prefix "
                    "cache over those it looked up. One replica far below the others is getting the cold "
                    "traffic.",
