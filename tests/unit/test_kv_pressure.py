@@ -11,14 +11,13 @@ from collections import Counter
 import httpx
 import pytest
 
-from shunter.bench import loadgen
 from shunter.bench.kv_oracle import (
     BlockKeys,
     LRUBlockCache,
+    PromptRecorder,
     default_max_load_gap,
     oracle_for_run,
     prompt_token_ids,
-    record_prompts,
     simulate,
 )
 from shunter.bench.loadgen import LoadConfig, run_load
@@ -119,10 +118,11 @@ def test_each_turn_resends_the_growing_conversation_with_the_servers_answers(mak
 
     real = httpx.AsyncClient
     monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
-    cfg = LoadConfig(base_url="http://bench/v1", model="m", concurrency=3, max_requests=18, progress=False)
-    with record_prompts() as bodies:
-        records, _ = asyncio.run(run_load(sessions, cfg))
-    assert loadgen._payload.__name__ == "_payload"  # put back
+    recorder = PromptRecorder()
+    cfg = LoadConfig(base_url="http://bench/v1", model="m", concurrency=3, max_requests=18, progress=False,
+                     on_send=recorder)
+    records, _ = asyncio.run(run_load(sessions, cfg))
+    bodies = recorder.in_order()
     assert len(bodies) == len(records) == 18 and all(r.ok for r in records)
     assert bodies == received, "the k-th body recorded is the k-th request sent"
     by_first = {s.turns[0].text: s for s in sessions}

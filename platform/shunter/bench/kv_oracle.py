@@ -30,16 +30,15 @@ view of the engines, gets a higher hit rate on these prompts under the same bala
 greedy router with perfect knowledge, not an optimal planner: one that knew the future could sometimes
 place a prefix better; the goal is to match perfect knowledge, not foresight.)
 
-`record_prompts` captures the request bodies the load generator sends (the run's result keeps only each
+`PromptRecorder` keeps the request bodies the load generator sends (the run's result keeps only each
 request's measurements, and a multi-turn prompt holds the server's real answers, so the prompts cannot be
 rebuilt from the seeded workload alone).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -179,33 +178,24 @@ def prompt_token_ids(bodies: Iterable[dict[str, Any]], tokenizer: Any) -> list[l
     return out
 
 
-@contextlib.contextmanager
-def record_prompts() -> Iterator[list[dict[str, Any]]]:
-    """The request bodies `shunter.bench.loadgen` builds while the block runs, in the order it sends them.
+class PromptRecorder:
+    """The request bodies a run sends, by request index: pass it as `on_send` to the run
+    (`shunter.bench.runner.run`), then `in_order()` gives them in the order of the run's records."""
 
-    The load generator builds a body right when it sends it, after taking the request's index and with no
-    await in between, so the k-th body recorded is the request of index k (records are sorted by index)."""
-    from shunter.bench import loadgen
+    def __init__(self) -> None:
+        self._bodies: dict[int, dict[str, Any]] = {}
 
-    bodies: list[dict[str, Any]] = []
-    build = loadgen._payload
+    def __call__(self, index: int, body: dict[str, Any]) -> None:
+        self._bodies[index] = body
 
-    def recording(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        body = build(*args, **kwargs)
-        bodies.append(body)
-        return body
-
-    loadgen._payload = recording
-    try:
-        yield bodies
-    finally:
-        loadgen._payload = build
+    def in_order(self) -> list[dict[str, Any]]:
+        return [self._bodies[i] for i in sorted(self._bodies)]
 
 
 def oracle_for_run(bodies: list[dict[str, Any]], requests: list[dict[str, Any]], tokenizer: Any, replicas: int,
                    kv_cache_blocks: int, block_size: int = BLOCK_SIZE,
                    max_load_gap: int | None = None) -> dict[str, Any]:
-    """The oracle over one run: `bodies` from `record_prompts`, `requests` the run's records (JSON), the
+    """The oracle over one run: `bodies` from a `PromptRecorder`, `requests` the run's records (JSON), the
     replicas' reported `kv_cache_blocks` (one of them is vLLM's null block). Also compares each prompt's
     token count with what the server reported, a check that the oracle tokenizes as the engine does."""
     if len(bodies) != len(requests):

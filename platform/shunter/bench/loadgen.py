@@ -21,6 +21,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,9 @@ class LoadConfig:
     seed: int = 0
     api_key: str | None = None
     progress: bool = True
+    # Called with each request's index and body just before it is sent (what a benchmark replays, e.g.
+    # the oracle of shunter.bench.kv_oracle: a multi-turn body holds the server's real answers).
+    on_send: Callable[[int, dict[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in _PATHS:
@@ -214,7 +218,10 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
     last_chunk_at: float | None = None
     chunks = 0
     try:
-        async with client.stream("POST", path, json=_payload(cfg, session, history, turn)) as resp:
+        body = _payload(cfg, session, history, turn)
+        if cfg.on_send is not None:
+            cfg.on_send(index, body)
+        async with client.stream("POST", path, json=body) as resp:
             record.status = resp.status_code
             record.head_s = time.perf_counter() - sent
             if resp.status_code != 200:

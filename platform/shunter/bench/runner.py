@@ -137,7 +137,8 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_source(spec, progress=False))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, on_send: Any = None) -> dict[str, Any]:
+    """One measured run; `on_send(index, body)` sees each request just before it is sent."""
     from shunter.bench.loadgen import LoadConfig, run_load
     from shunter.bench.stats import summarize
 
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_requests = args.requests if (args.requests or args.duration) else workload["requests"]
     cfg = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
                      rate=args.rate, max_requests=max_requests, duration_s=args.duration,
-                     ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, progress=not args.quiet)
+                     ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, progress=not args.quiet,
+                     on_send=on_send)
     records, wall = asyncio.run(run_load(sessions, cfg))
     load = f"c{concurrency}" if concurrency else f"rate{args.rate:g}"
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}

@@ -129,7 +129,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from ray import serve
     from transformers import AutoTokenizer
 
-    from shunter.bench.kv_oracle import oracle_for_run, record_prompts
+    from shunter.bench.kv_oracle import PromptRecorder, oracle_for_run
     from shunter.bench.runner import run, run_parser
     from shunter.cli.app_files import generate_model_of
     from shunter.config import ShunterConfig
@@ -166,9 +166,10 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             if capacity is None and "num_gpu_blocks_override" in engine.get("extra_engine_args", {}):
                 capacity = (engine["extra_engine_args"]["num_gpu_blocks_override"], 128)  # what was asked for
             ran = time.perf_counter()
-            with record_prompts() as bodies:
-                result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
-                                                      "--label", name, *options]))
+            recorder = PromptRecorder()
+            result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
+                                                  "--label", name, *options]), on_send=recorder)
+            bodies = recorder.in_order()
             ran = time.perf_counter() - ran
             after = _counters(handle, ids)
             queries = {r: after[r]["prefix_cache_queries"] - before[r]["prefix_cache_queries"] for r in ids}
