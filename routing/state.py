@@ -251,7 +251,7 @@ class DeploymentRouting:
         """What share of the request's prompt the router believed the chosen replica held: compared with
         what its engine really had cached when the request finishes (`finished`)."""
         with self._lock:
-            self._predictions[request_id] = (share, "precise" if self.prefix.is_precise(replica) else "approximate")
+            self._predictions[request_id] = (share, self.prefix_source(replica))
             while len(self._predictions) > _PREDICTIONS_KEPT:  # requests whose end was never reported
                 self._predictions.pop(next(iter(self._predictions)))
 
@@ -362,7 +362,8 @@ class AdapterResidency:
 
 # Predictions kept for requests in flight, at most (each is dropped when its request finishes).
 _PREDICTIONS_KEPT = 10_000
-# Keys sent to a replica count as held this long at least, precise or not (see PrefixIndex.reported).
+# Precise replicas: keys sent there count as held this long past the replica's last report, which cannot
+# show them before their prefill and the next stats poll (see PrefixIndex.reported).
 SPECULATION_S = 10.0
 # Ray sends a chosen request within milliseconds, or retries it after a full replica's rejection with a
 # backoff of at most a few seconds; a reservation older than this belongs to a request that went away.

@@ -470,6 +470,7 @@ class EnginePrefixView:
         self.subscriber = KVEventSubscriber(endpoint, self.index, replay_endpoint)
         self._report_id = uuid.uuid4().hex[:8]
         self._reports = 0
+        self._held_keys = 0  # in the last report (the stats and metrics read it; reports come every period)
 
     def start(self) -> None:
         self.subscriber.start()
@@ -482,15 +483,16 @@ class EnginePrefixView:
         self.links.link(keys, chars, chunk_chars, token_ids, self.index.block_size, lora_name)
 
     def summary(self) -> dict[str, Any]:
-        """For the replica's stats: the view's counts and its subscriber's."""
-        return {**self.subscriber.stats(), "held_keys": len(self.links.held_keys(self.index)),
-                "linked_keys": len(self.links)}
+        """For the replica's stats and metrics: the view's counts, its subscriber's, and the keys held at
+        the last report (computing them walks every linked chain: once per report is enough)."""
+        return {**self.subscriber.stats(), "held_keys": self._held_keys, "linked_keys": len(self.links)}
 
     def report(self) -> dict[str, Any]:
         """The router keys whose blocks the engine holds now, whether the view is exact, and what the
         prefix metrics show (blocks indexed, keys linked, the events' lag)."""
         self._reports += 1
         keys = self.links.held_keys(self.index)
+        self._held_keys = len(keys)
         return {"prefix_keys": keys, "prefix_exact": self.index.exact,
                 "prefix_report": f"{self._report_id}-{self._reports}", "prefix_blocks": self.index.blocks,
                 "prefix_linked_keys": len(self.links), "prefix_event_lag_s": self.subscriber.take_lag()}
