@@ -141,6 +141,29 @@ def test_each_turn_resends_the_growing_conversation_with_the_servers_answers(mak
     assert len({b["messages"][1]["content"] for b in bodies[:3]}) == 3  # three sessions in flight at once
 
 
+
+@pytest.mark.parametrize("load", [{"concurrency": 3}, {"concurrency": None, "rate": 200.0}])
+def test_one_pass_sends_each_session_once_and_every_turn_of_it(maker, monkeypatch, load):
+    """A run that is one pass over the workload (the bench's runs) never starts a session over: a worker
+    or an arrival that finds budget left while other sessions' later turns are still to come used to
+    replay a finished session, whose prompts every engine already cached, and cut another one short."""
+    sessions = _workload(maker, sessions=7, turns=3, system_len=16)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.002 * (len(request.content) % 5))  # unequal service times: sessions finish out of order
+        return httpx.Response(200, content=_sse("ok"), headers={"content-type": "text/event-stream"})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    recorder = PromptRecorder()
+    cfg = LoadConfig(base_url="http://bench/v1", model="m", max_requests=21, progress=False, on_send=recorder,
+                     one_pass=True, **load)
+    records, _ = asyncio.run(run_load(sessions, cfg))
+    assert len(records) == 21 and all(r.ok for r in records)
+    firsts = Counter(b["messages"][1]["content"] for b in recorder.in_order())
+    assert sorted(firsts.values()) == [3] * 7 and set(firsts) == {s.turns[0].text for s in sessions}
+
+
 class FakeTokenizer:
     """Words as tokens; a chat renders as `<role> content` pieces plus the generation prompt."""
 

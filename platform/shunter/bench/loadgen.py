@@ -1,6 +1,6 @@
 """Async load against an OpenAI-compatible endpoint, streaming, measured at the byte level.
 
-Arrivals: a fixed number of concurrent sessions, or sessions starting at Poisson times (a request
+Arrivals: a fixed number of concurrent sessions, or sessions starting at Poisson times (a session
 rate). Stops after a request count or a duration, whichever is given, and waits for what is in flight:
 every request issued is accounted for in the records, answered or not.
 
@@ -37,7 +37,7 @@ class LoadConfig:
     model: str
     endpoint: str = "chat"  # chat | completions | responses | messages
     concurrency: int | None = 8  # sessions in flight at once (fixed-concurrency mode)
-    rate: float | None = None  # requests per second, Poisson arrivals (rate mode)
+    rate: float | None = None  # sessions started per second, Poisson arrivals (rate mode)
     max_requests: int | None = None
     duration_s: float | None = None
     ignore_eos: bool = True
@@ -48,6 +48,10 @@ class LoadConfig:
     # Called with each request's index and body just before it is sent (what a benchmark replays, e.g.
     # the oracle of shunter.bench.kv_oracle: a multi-turn body holds the server's real answers).
     on_send: Callable[[int, dict[str, Any]], None] | None = None
+    # Each session at most once (a run that is one pass over the workload): without it the sessions
+    # repeat in order, and a worker or an arrival that finds budget left starts a session over again,
+    # sending prompts the engines already cached.
+    one_pass: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint not in _PATHS:
@@ -90,7 +94,7 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=(cfg.concurrency or 256) + 8, max_keepalive_connections=64)
     records: list[RequestRecord] = []
-    pool = itertools.cycle(sessions)  # a duration-bound run reuses the workload in order
+    pool = iter(sessions) if cfg.one_pass else itertools.cycle(sessions)  # else reused in order
     bar = tqdm(total=cfg.max_requests, desc="requests", unit="req", disable=not cfg.progress)
     async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(cfg.timeout_s, connect=30)) as client:
@@ -115,7 +119,10 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
                 while budget.left is None or budget.left > 0:
                     if budget.deadline is not None and time.perf_counter() >= budget.deadline:
                         return
-                    await run_session(next(pool))
+                    session = next(pool, None)
+                    if session is None:
+                        return
+                    await run_session(session)
 
             await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
         else:
@@ -130,7 +137,10 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
                 if (budget.left is not None and budget.left <= 0) or (
                         budget.deadline is not None and time.perf_counter() >= budget.deadline):
                     break
-                tasks.append(asyncio.create_task(run_session(next(pool))))
+                session = next(pool, None)
+                if session is None:
+                    break
+                tasks.append(asyncio.create_task(run_session(session)))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     bar.close()

@@ -54,7 +54,8 @@ def run_parser() -> argparse.ArgumentParser:
                    default="random")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="sessions in flight at once (default 8)")
-    load.add_argument("--rate", type=float, help="requests per second, Poisson arrivals")
+    load.add_argument("--rate", type=float, help="sessions started per second, Poisson arrivals (a session's "
+                      "later turns follow its answers; single-turn workloads: requests per second)")
     p.add_argument("--requests", type=int, help="stop after this many requests")
     p.add_argument("--duration", type=float, help="stop starting requests after this many seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -145,11 +146,12 @@ def run(args: argparse.Namespace, on_send: Any = None) -> dict[str, Any]:
     concurrency = None if args.rate is not None else (args.concurrency or 8)
     sessions, workload = build_sessions(args)
     # Without a count or a duration, a run is one pass over the workload.
-    max_requests = args.requests if (args.requests or args.duration) else workload["requests"]
+    one_pass = not (args.requests or args.duration)
+    max_requests = workload["requests"] if one_pass else args.requests
     cfg = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
                      rate=args.rate, max_requests=max_requests, duration_s=args.duration,
                      ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, progress=not args.quiet,
-                     on_send=on_send)
+                     on_send=on_send, one_pass=one_pass)
     records, wall = asyncio.run(run_load(sessions, cfg))
     load = f"c{concurrency}" if concurrency else f"rate{args.rate:g}"
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}

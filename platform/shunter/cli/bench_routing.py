@@ -41,18 +41,22 @@ POLICIES: dict[str, dict[str, Any]] = {
 WORKLOAD = ["--workload", "shared-prefix", "--groups", "16", "--users", "4", "--system-len", "1024",
             "--question-len", "uniform:16:32", "--output-len", "fixed:32", "--concurrency", "8",
             "--slo-ttft-ms", "2000", "--slo-itl-ms", "150", "--seed", "0"]
-# 12 system prompts of 1,536 tokens, Zipf(0.3) popularity; 64 sessions of 2 turns, 4 in flight, whose
-# history grows by 64-128 user tokens and a 16-token answer a turn: about 2.3x a replica's 91 usable blocks
-# (11,648 tokens) in distinct prompt blocks, a little more than both replicas hold. Sized so that the
-# prompts about fit the two caches split between them but not one cache: a router that keeps each group on
-# one replica hits, one that spreads groups makes every cache hold them all, and they thrash. Replayed with
-# stand-in answers (shunter.bench.kv_oracle.simulate), the oracle hits about 81% of the prompt tokens,
-# random routing about 53%; the longest prompt is about 1.8k tokens, within max_model_len. (A first sizing,
-# 16 groups at Zipf 0.5, left less room between the two: oracle 75%, random 48%, the caches too full for
-# either; see docs/benchmarks.md section 7.)
+# 12 system prompts of 1,536 tokens, Zipf(0.3) popularity; 64 sessions of 2 turns whose history grows by
+# 64-128 user tokens and a 16-token answer a turn: about 2.3x a replica's 91 usable blocks (11,648 tokens)
+# in distinct prompt blocks, a little more than both replicas hold. Sized so that the prompts about fit the
+# two caches split between them but not one cache: a router that keeps each group on one replica hits, one
+# that spreads groups makes every cache hold them all, and they thrash. Replayed with stand-in answers
+# (shunter.bench.kv_oracle.simulate), the oracle hits about 81% of the prompt tokens, random routing about
+# 53%; the longest prompt is about 1.8k tokens, within max_model_len. (A first sizing, 16 groups at Zipf
+# 0.5, left less room between the two: oracle 75%, random 48%; see docs/benchmarks.md section 7.)
+# Sessions start at Poisson times, 1 a second (2 requests a second), as users arrive, whatever the
+# servers' pace: on two one-core engines that is more prefill than a router that misses 40% of the prompt
+# can do, and well within one that misses 20%; a fixed number of sessions in flight (closed loop) would
+# instead slow the clients down to each router's pace and hide the difference in queueing (one run of it:
+# section 7's first table).
 KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "12", "--conversations", "64", "--turns", "2",
                         "--system-len", "1536", "--turn-len", "uniform:64:128", "--output-len", "fixed:16",
-                        "--zipf", "0.3", "--concurrency", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
+                        "--zipf", "0.3", "--rate", "1.0", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
                         "--seed", "0"]
 WORKLOADS = {"shared-prefix": WORKLOAD, "kv-pressure": KV_PRESSURE_WORKLOAD}
 # Gateway replicas, each with its own router. Production runs several (one per ingress process, for
@@ -65,6 +69,22 @@ GATEWAYS = {"shared-prefix": 1, "kv-pressure": 2}
 # blocks, one of them vLLM's null block, i.e. 91 x 128 = 11,648 tokens, what 0.25 GiB would give.
 KV_PRESSURE_BLOCKS = 92
 KV_PRESSURE_MAX_MODEL_LEN = 2048
+
+
+def with_load(options: list[str], rate: float | None = None, concurrency: int | None = None) -> list[str]:
+    """A workload's options with its arrivals replaced: Poisson session starts at `rate` a second, or
+    `concurrency` sessions in flight (neither: as they are)."""
+    if rate is None and concurrency is None:
+        return options
+    out, skip = [], False
+    for opt in options:
+        if skip:
+            skip = False
+        elif opt in ("--rate", "--concurrency"):
+            skip = True
+        else:
+            out.append(opt)
+    return out + (["--rate", f"{rate:g}"] if rate is not None else ["--concurrency", str(concurrency)])
 
 
 def kv_pressure_engine(engine: dict[str, Any], blocks: int = KV_PRESSURE_BLOCKS) -> dict[str, Any]:
@@ -124,8 +144,10 @@ def kv_capacity(handle: Any, stats: dict[str, dict[str, Any]]) -> tuple[int, int
 
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2,
                     workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS,
-                    gateways: int | None = None) -> dict[str, Any]:
-    """`gateways`: gateway replicas, each with its own router (default: GATEWAYS[workload])."""
+                    gateways: int | None = None, rate: float | None = None,
+                    concurrency: int | None = None) -> dict[str, Any]:
+    """`gateways`: gateway replicas, each with its own router (default: GATEWAYS[workload]); `rate` /
+    `concurrency`: the workload's arrivals instead of its own (`with_load`)."""
     from ray import serve
     from transformers import AutoTokenizer
 
@@ -137,7 +159,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from shunter.local_serve import local_serve
     from shunter.serve_plan import deployment_name
 
-    options = WORKLOADS[workload]
+    options = with_load(WORKLOADS[workload], rate, concurrency)
     gateways = gateways or GATEWAYS[workload]
     cfg, model, path = generate_model_of(config, model_name)
     engine = model.engine.model_dump(mode="json")
@@ -373,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway replicas, each with its own router (default: 1 for shared-prefix, 2 for "
                         "kv-pressure)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="sessions started a second, Poisson arrivals (default: the "
+                      "workload's: 1 for kv-pressure; shared-prefix runs 8 sessions in flight)")
+    load.add_argument("--concurrency", type=int, help="sessions in flight at once instead (closed loop)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--out", type=Path,
                         help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
@@ -388,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gateways is not None and args.gateways < 1:
         parser.error("--gateways must be at least 1")
+    if (args.rate is not None and not args.rate > 0) or (args.concurrency is not None and args.concurrency < 1):
+        parser.error("--rate must be positive and --concurrency at least 1")
     result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks,
-                             gateways=args.gateways)
+                             gateways=args.gateways, rate=args.rate, concurrency=args.concurrency)
     pressure = args.workload == "kv-pressure"
     print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
     out = args.out or Path("results/routing-kv-pressure.json" if pressure else "results/routing.json")
