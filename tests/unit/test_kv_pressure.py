@@ -164,6 +164,64 @@ def test_one_pass_sends_each_session_once_and_every_turn_of_it(maker, monkeypatc
     assert sorted(firsts.values()) == [3] * 7 and set(firsts) == {s.turns[0].text for s in sessions}
 
 
+
+def test_fan_out_makes_runs_of_sessions_of_one_group_each_with_its_own_messages(maker):
+    sessions = _workload(maker, sessions=12, turns=2, fan_out=4)
+    runs = [sessions[i:i + 4] for i in range(0, 12, 4)]
+    assert all(len({s.group for s in run}) == 1 for run in runs)
+    assert len({s.turns[0].text for s in sessions}) == 12
+    with pytest.raises(ValueError):
+        _workload(maker, fan_out=0)
+    with pytest.raises(ValueError, match="burst"):
+        LoadConfig(base_url="x", model="m", concurrency=4, burst=2, max_requests=4)
+
+
+def test_a_burst_starts_its_sessions_together(maker, monkeypatch):
+    """--burst 3: each Poisson arrival starts three sessions of one group at once (the sessions/s rate
+    unchanged, so arrivals come at a third of it); they are all sent before any of them is answered."""
+    sessions = _workload(maker, sessions=6, turns=2, system_len=16, fan_out=3)
+    events = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        events.append(("sent", body["messages"][1]["content"], len(body["messages"])))
+        await asyncio.sleep(0.05)
+        events.append(("answered",))
+        return httpx.Response(200, content=_sse("ok"), headers={"content-type": "text/event-stream"})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    cfg = LoadConfig(base_url="http://bench/v1", model="m", concurrency=None, rate=6.0, burst=3, max_requests=12,
+                     progress=False, one_pass=True, seed=0)  # arrivals ~0.9 s apart, answers in 0.05 s
+    records, _ = asyncio.run(run_load(sessions, cfg))
+    assert len(records) == 12 and all(r.ok for r in records)
+    first = {s.turns[0].text: s for s in sessions}
+    assert [e[0] for e in events[:4]] == ["sent"] * 3 + ["answered"]
+    burst = [first[e[1]] for e in events[:3]]
+    assert {s.index for s in burst} == {0, 1, 2} and len({s.group for s in burst}) == 1
+    assert all(e[2] == 2 for e in events[:3])  # first turns: the system prompt and a user message
+
+
+
+def test_a_policys_run_options_replace_the_workloads_arrivals():
+    """`shunter bench routing --rate/--concurrency/--burst/--scale-out` as the load generator reads them."""
+    from shunter.cli.bench_routing import KV_PRESSURE_WORKLOAD, SCALE_OUT_LOAD, run_options
+
+    def parsed(options):
+        return run_parser().parse_args([*options, "--tokenizer", MINILM])
+
+    steady = parsed(run_options("kv-pressure"))
+    assert (steady.rate, steady.concurrency, steady.burst, steady.conversations) == (1.0, None, 1, 64)
+    assert run_options("kv-pressure") == KV_PRESSURE_WORKLOAD
+    closed = parsed(run_options("kv-pressure", concurrency=4))
+    assert (closed.rate, closed.concurrency) == (None, 4)
+    bursty = parsed(run_options("kv-pressure", rate=0.5, burst=4))
+    assert (bursty.rate, bursty.burst) == (0.5, 4)
+    scaling = parsed(run_options("kv-pressure", scale_out=True))
+    assert (scaling.rate, scaling.conversations) == (SCALE_OUT_LOAD["rate"], SCALE_OUT_LOAD["conversations"])
+    assert parsed(run_options("kv-pressure", rate=2.0, scale_out=True)).rate == 2.0
+
+
 class FakeTokenizer:
     """Words as tokens; a chat renders as `<role> content` pieces plus the generation prompt."""
 

@@ -52,6 +52,7 @@ class LoadConfig:
     # repeat in order, and a worker or an arrival that finds budget left starts a session over again,
     # sending prompts the engines already cached.
     one_pass: bool = False
+    burst: int = 1  # rate mode: sessions started together at each arrival (arrivals come at rate / burst)
 
     def __post_init__(self) -> None:
         if self.endpoint not in _PATHS:
@@ -60,8 +61,10 @@ class LoadConfig:
             raise ValueError("give exactly one of concurrency or rate")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        if self.rate is not None and self.rate <= 0:
+        if self.rate is not None and not self.rate > 0:
             raise ValueError("rate must be positive")
+        if self.burst < 1 or (self.burst > 1 and self.rate is None):
+            raise ValueError("burst must be at least 1, and more than 1 only with a rate")
         if self.max_requests is None and self.duration_s is None:
             raise ValueError("give a request count, a duration, or both")
 
@@ -130,17 +133,17 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
             tasks = []
             next_at = start
             while True:
-                next_at += rng.expovariate(cfg.rate)
+                next_at += rng.expovariate(cfg.rate / cfg.burst)
                 delay = next_at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if (budget.left is not None and budget.left <= 0) or (
                         budget.deadline is not None and time.perf_counter() >= budget.deadline):
                     break
-                session = next(pool, None)
-                if session is None:
+                burst = [s for s in itertools.islice(pool, cfg.burst) if s is not None]
+                if not burst:
                     break
-                tasks.append(asyncio.create_task(run_session(session)))
+                tasks += [asyncio.create_task(run_session(s)) for s in burst]
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     bar.close()

@@ -56,6 +56,9 @@ def run_parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, help="sessions in flight at once (default 8)")
     load.add_argument("--rate", type=float, help="sessions started per second, Poisson arrivals (a session's "
                       "later turns follow its answers; single-turn workloads: requests per second)")
+    p.add_argument("--burst", type=int, default=1,
+                   help="with --rate: sessions started together at each arrival (the rate stays sessions a "
+                   "second); kv-pressure: the sessions of a burst share a group")
     p.add_argument("--requests", type=int, help="stop after this many requests")
     p.add_argument("--duration", type=float, help="stop starting requests after this many seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -120,8 +123,8 @@ def build_sessions(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]
     elif args.workload == "kv-pressure":
         turn_len = LengthDist.parse(args.turn_len)
         sessions = kv_pressure_workload(maker, args.groups, args.conversations, args.turns, args.system_len, turn_len,
-                                        output_len, args.zipf, args.seed)
-        params.update(conversations=args.conversations, turns=args.turns, system_len=args.system_len,
+                                        output_len, args.zipf, args.seed, fan_out=args.burst)
+        params.update(burst=args.burst, conversations=args.conversations, turns=args.turns, system_len=args.system_len,
                       turn_len=str(turn_len), zipf=args.zipf, **kv_pressure_sizing(sessions))  # groups: those drawn
     else:
         turn_len = LengthDist.parse(args.turn_len)
@@ -151,9 +154,9 @@ def run(args: argparse.Namespace, on_send: Any = None) -> dict[str, Any]:
     cfg = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
                      rate=args.rate, max_requests=max_requests, duration_s=args.duration,
                      ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, progress=not args.quiet,
-                     on_send=on_send, one_pass=one_pass)
+                     on_send=on_send, one_pass=one_pass, burst=args.burst)
     records, wall = asyncio.run(run_load(sessions, cfg))
-    load = f"c{concurrency}" if concurrency else f"rate{args.rate:g}"
+    load = f"c{concurrency}" if concurrency else f"rate{args.rate:g}" + (f"x{args.burst}" if args.burst > 1 else "")
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
     return {
         "label": args.label or f"{args.workload}-{load}",

@@ -183,22 +183,27 @@ def adapter_workload(maker: TextMaker, adapters: list[str], requests: int, zipf_
 
 
 def kv_pressure_workload(maker: TextMaker, groups: int, sessions: int, turns: int, system_len: int,
-                         turn_len: LengthDist, output_len: LengthDist, zipf_s: float, seed: int) -> list[Session]:
+                         turn_len: LengthDist, output_len: LengthDist, zipf_s: float, seed: int,
+                         fan_out: int = 1) -> list[Session]:
     """`sessions` conversations of `turns` turns each, under G groups' system prompts of `system_len`
     tokens; a session joins the k-th group (1-based) with weight 1 / k^zipf_s. Each turn resends the
     conversation so far (the system prompt, every earlier question and the server's answers to them) plus
     a new user message, so a session's prompt grows by a turn and an answer each time.
 
     The sessions come in the order their groups were drawn (groups interleave), and a run keeps several in
-    flight at once, so their turns interleave in time as real traffic does."""
-    if groups < 1 or sessions < 1 or turns < 1:
-        raise ValueError("the kv-pressure workload needs at least one group, session and turn")
+    flight at once, so their turns interleave in time as real traffic does. `fan_out` > 1: each draw of a
+    group makes that many consecutive sessions of it (an agent's parallel calls, a team arriving together;
+    `--burst` starts them at once), each with its own messages."""
+    if groups < 1 or sessions < 1 or turns < 1 or fan_out < 1:
+        raise ValueError("the kv-pressure workload needs at least one group, session, turn and session per draw")
     rng = random.Random(seed)
     systems = [maker.make(system_len, rng) for _ in range(groups)]
     weights = [1 / (k ** zipf_s) for k in range(1, groups + 1)]
     out = []
+    g = 0
     for i in range(sessions):
-        g = rng.choices(range(groups), weights)[0]
+        if i % fan_out == 0:
+            g = rng.choices(range(groups), weights)[0]
         chat = []
         for _ in range(turns):
             text, n = maker.make(turn_len.sample(rng), rng)

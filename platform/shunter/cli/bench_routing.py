@@ -71,9 +71,22 @@ KV_PRESSURE_BLOCKS = 92
 KV_PRESSURE_MAX_MODEL_LEN = 2048
 
 
-def with_load(options: list[str], rate: float | None = None, concurrency: int | None = None) -> list[str]:
+# Scale-out under pressure (`--scale-out`): each policy starts on one replica and the platform's own
+# queue-depth autoscaler adds the second once requests queue (the same settings for every policy). Routers
+# that pin a prefix to the replica that first took it keep the new replica idle for every prefix seen
+# before it came; the run is longer (128 sessions at 0.6 a second: one replica cannot keep up, two can),
+# so most of it is served after the second replica is up.
+SCALE_OUT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
+                         "upscale_delay_s": 5, "downscale_delay_s": 3600}
+SCALE_OUT_LOAD = {"rate": 0.6, "conversations": 128}
+
+
+def with_load(options: list[str], rate: float | None = None, concurrency: int | None = None,
+              burst: int = 1) -> list[str]:
     """A workload's options with its arrivals replaced: Poisson session starts at `rate` a second, or
-    `concurrency` sessions in flight (neither: as they are)."""
+    `concurrency` sessions in flight (neither: as they are); `burst` sessions (of one group) at a time."""
+    if burst > 1:
+        options = [*options, "--burst", str(burst)]
     if rate is None and concurrency is None:
         return options
     out, skip = [], False
@@ -85,6 +98,18 @@ def with_load(options: list[str], rate: float | None = None, concurrency: int | 
         else:
             out.append(opt)
     return out + (["--rate", f"{rate:g}"] if rate is not None else ["--concurrency", str(concurrency)])
+
+
+def run_options(workload: str, rate: float | None = None, concurrency: int | None = None, burst: int = 1,
+                scale_out: bool = False) -> list[str]:
+    """The `shunter bench run` options of one policy's run: the workload's, its arrivals replaced
+    (`with_load`); a scale-out run is longer and slower (SCALE_OUT_LOAD) unless arrivals are given."""
+    if scale_out and (rate, concurrency) == (None, None):
+        rate = SCALE_OUT_LOAD["rate"]
+    options = with_load(WORKLOADS[workload], rate, concurrency, burst)
+    if scale_out:  # argparse keeps the last of a repeated option
+        options = [*options, "--conversations", str(SCALE_OUT_LOAD["conversations"])]
+    return options
 
 
 def kv_pressure_engine(engine: dict[str, Any], blocks: int = KV_PRESSURE_BLOCKS) -> dict[str, Any]:
@@ -106,13 +131,16 @@ def longest_request_tokens(options: list[str]) -> float:
     return args.system_len + 8 + args.turns * (turn + 8) + args.turns * (out + 8)
 
 
-def replica_ids(handle: Any, expected: int) -> list[str]:
-    """The ids of a deployment's `expected` running replicas (shared with `shunter bench lora`)."""
+def replica_ids(handle: Any, expected: int, missing_ok: bool = False) -> list[str]:
+    """The ids of a deployment's `expected` running replicas (shared with `shunter bench lora`);
+    `missing_ok`: those found, when fewer run (an autoscaler that did not add them)."""
     seen: set[str] = set()
     for _ in range(200):  # unpinned calls spread over idle replicas at random
         seen.add(handle.stats.remote().result(timeout_s=60)["replica"])
         if len(seen) == expected:
             return sorted(seen)
+    if missing_ok:
+        return sorted(seen)
     raise RuntimeError(f"found only {len(seen)} of {expected} replicas")
 
 
@@ -145,9 +173,10 @@ def kv_capacity(handle: Any, stats: dict[str, dict[str, Any]]) -> tuple[int, int
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2,
                     workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS,
                     gateways: int | None = None, rate: float | None = None,
-                    concurrency: int | None = None) -> dict[str, Any]:
+                    concurrency: int | None = None, burst: int = 1, scale_out: bool = False) -> dict[str, Any]:
     """`gateways`: gateway replicas, each with its own router (default: GATEWAYS[workload]); `rate` /
-    `concurrency`: the workload's arrivals instead of its own (`with_load`)."""
+    `concurrency`: the workload's arrivals instead of its own (`with_load`); `scale_out`: start on one
+    replica and let the autoscaler add the rest (SCALE_OUT_AUTOSCALING, `replicas` at most)."""
     from ray import serve
     from transformers import AutoTokenizer
 
@@ -159,7 +188,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     from shunter.local_serve import local_serve
     from shunter.serve_plan import deployment_name
 
-    options = with_load(WORKLOADS[workload], rate, concurrency)
+    options = run_options(workload, rate, concurrency, burst, scale_out)
     gateways = gateways or GATEWAYS[workload]
     cfg, model, path = generate_model_of(config, model_name)
     engine = model.engine.model_dump(mode="json")
@@ -175,6 +204,8 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
         for name in policies:
             spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name],
                     "engine": engine}
+            if scale_out:
+                spec.update(replicas=1, autoscaling={**SCALE_OUT_AUTOSCALING, "max_replicas": replicas})
             base_cfg = cfg.model_dump(mode="json")
             app_cfg = ShunterConfig.model_validate({**base_cfg, "models": [spec],
                                                     "gateway": {**base_cfg["gateway"], "replicas": gateways}})
@@ -182,7 +213,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                   f"({time.perf_counter() - started:.0f} s in)", flush=True)
             local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
-            ids = replica_ids(handle, replicas)
+            ids = replica_ids(handle, 1 if scale_out else replicas)
             before = _counters(handle, ids)
             capacity = kv_capacity(handle, before)
             if capacity is None and "num_gpu_blocks_override" in engine.get("extra_engine_args", {}):
@@ -193,6 +224,9 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                                                   "--label", name, *options]), on_send=recorder)
             bodies = recorder.in_order()
             ran = time.perf_counter() - ran
+            if scale_out:  # the replicas the autoscaler added count from zero
+                ids = replica_ids(handle, replicas, missing_ok=True)
+                before.update({r: {"prefix_cache_queries": 0, "prefix_cache_hits": 0} for r in ids if r not in before})
             after = _counters(handle, ids)
             queries = {r: after[r]["prefix_cache_queries"] - before[r]["prefix_cache_queries"] for r in ids}
             hits = {r: after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"] for r in ids}
@@ -210,6 +244,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                 "summary": result["summary"],
                 "workload": result["workload"],
                 "run_s": ran,
+                "replicas_at_end": len(ids),
                 "kv_cache": {"blocks": capacity[0], "block_size": capacity[1]} if capacity else None,
                 "engine_prefix_cache": {
                     "queries": total_q, "hits": sum(hits.values()),
@@ -224,6 +259,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             print(pressure_line(rows[-1]), flush=True)
             serve.delete(APP)
     return {"model": model.name, "replicas": replicas, "gateways": gateways, "workload": workload,
+            "scale_out": {"autoscaling": {**SCALE_OUT_AUTOSCALING, "max_replicas": replicas}} if scale_out else None,
             "workload_options": options,
             "engine": engine, "wall_s": time.perf_counter() - started, "rows": rows}
 
@@ -399,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--rate", type=float, help="sessions started a second, Poisson arrivals (default: the "
                       "workload's: 1 for kv-pressure; shared-prefix runs 8 sessions in flight)")
     load.add_argument("--concurrency", type=int, help="sessions in flight at once instead (closed loop)")
+    parser.add_argument("--burst", type=int, default=1, help="kv-pressure: sessions of one group that arrive "
+                        "together (an agent's parallel calls); the rate stays sessions a second")
+    parser.add_argument("--scale-out", action="store_true",
+                        help="kv-pressure: start each policy on one replica; the queue-depth autoscaler adds the "
+                        "second under load (128 sessions at 0.6 a second unless --rate/--concurrency)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--out", type=Path,
                         help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
@@ -416,11 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gateways must be at least 1")
     if (args.rate is not None and not args.rate > 0) or (args.concurrency is not None and args.concurrency < 1):
         parser.error("--rate must be positive and --concurrency at least 1")
+    if args.burst < 1 or (args.burst > 1 and (args.workload != "kv-pressure" or args.concurrency is not None)):
+        parser.error("--burst is at least 1, and more only for kv-pressure's Poisson arrivals")
+    if args.scale_out and args.workload != "kv-pressure":
+        parser.error("--scale-out is a kv-pressure run")
     result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks,
-                             gateways=args.gateways, rate=args.rate, concurrency=args.concurrency)
+                             gateways=args.gateways, rate=args.rate, concurrency=args.concurrency,
+                             burst=args.burst, scale_out=args.scale_out)
     pressure = args.workload == "kv-pressure"
     print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
-    out = args.out or Path("results/routing-kv-pressure.json" if pressure else "results/routing.json")
+    out = args.out or Path("results/routing-kv-pressure-scale-out.json" if args.scale_out else
+                           "results/routing-kv-pressure.json" if pressure else "results/routing.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "routing-kv-pressure" if pressure else "routing", **result,
                                **environment()}, indent=1))
