@@ -74,11 +74,13 @@ KV_PRESSURE_MAX_MODEL_LEN = 2048
 # Scale-out under pressure (`--scale-out`): each policy starts on one replica and the platform's own
 # queue-depth autoscaler adds the second once requests queue (the same settings for every policy). Routers
 # that pin a prefix to the replica that first took it keep the new replica idle for every prefix seen
-# before it came; the run is longer (128 sessions at 0.6 a second: one replica cannot keep up, two can),
-# so most of it is served after the second replica is up.
+# before it came. The run is longer, so most of it is served after the second replica is up: 128 sessions
+# at 0.9 a second (1.8 requests a second), more than one replica can prefill and well within two. (At 0.6
+# a second one replica nearly keeps up, and pinning costs little: a first run, docs/benchmarks.md
+# section 7.)
 SCALE_OUT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
                          "upscale_delay_s": 5, "downscale_delay_s": 3600}
-SCALE_OUT_LOAD = {"rate": 0.6, "conversations": 128}
+SCALE_OUT_LOAD = {"rate": 0.9, "conversations": 128}
 
 
 def with_load(options: list[str], rate: float | None = None, concurrency: int | None = None,
@@ -107,8 +109,9 @@ def run_options(workload: str, rate: float | None = None, concurrency: int | Non
     if scale_out and (rate, concurrency) == (None, None):
         rate = SCALE_OUT_LOAD["rate"]
     options = with_load(WORKLOADS[workload], rate, concurrency, burst)
-    if scale_out:  # argparse keeps the last of a repeated option
-        options = [*options, "--conversations", str(SCALE_OUT_LOAD["conversations"])]
+    if scale_out:
+        at = options.index("--conversations") + 1
+        options = [*options[:at], str(SCALE_OUT_LOAD["conversations"]), *options[at + 1:]]
     return options
 
 
@@ -209,7 +212,8 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             base_cfg = cfg.model_dump(mode="json")
             app_cfg = ShunterConfig.model_validate({**base_cfg, "models": [spec],
                                                     "gateway": {**base_cfg["gateway"], "replicas": gateways}})
-            print(f"\n== {name}: deploying {replicas} fresh replicas behind {gateways} gateway(s) "
+            fleet = f"1 replica (autoscaled to {replicas})" if scale_out else f"{replicas} fresh replicas"
+            print(f"\n== {name}: deploying {fleet} behind {gateways} gateway(s) "
                   f"({time.perf_counter() - started:.0f} s in)", flush=True)
             local.deploy(assemble(app_cfg), APP)
             handle = serve.get_deployment_handle(deployment_name(app_cfg.models[0]), app_name=APP)
@@ -388,15 +392,21 @@ def kv_pressure_section(result: dict[str, Any], number: int = 7) -> str:
                    + ", ".join(f"{name} {o['distinct_blocks']:,} ({o['distinct_over_capacity']:.1f}x)"
                                for name, o in blocks))
     extra = result["engine"].get("extra_engine_args", {})
-    return f"""## {number}. Routing under KV-cache pressure, 2 replicas
+    scale_out = result.get("scale_out")
+    title = "scaling out under KV-cache pressure, 1 to" if scale_out else "Routing under KV-cache pressure,"
+    fleet = (f"one replica of `{result['model']}` (one core), which the queue-depth autoscaler grows to "
+             f"{result['replicas']} once requests queue (`autoscaling: {json.dumps(scale_out['autoscaling'])}`, "
+             "the same for every policy)" if scale_out else f"{result['replicas']} replicas of `{result['model']}` "
+             "(one core each)")
+    return f"""## {number}. {title[0].upper() + title[1:]} {result['replicas']} replicas
 
-`shunter bench routing --workload kv-pressure`: {result['replicas']} replicas of `{result['model']}` (one core
-each) with a small KV cache (vLLM `num_gpu_blocks_override: {extra.get('num_gpu_blocks_override')}`,
-`max_model_len: {result['engine'].get('max_model_len')}`) behind {result.get('gateways', 1)} gateway replica(s), each
-with its own router (as production runs several), deployed fresh for each policy, then
+`shunter bench routing --workload kv-pressure{' --scale-out' if scale_out else ''}`: {fleet} with a small KV cache
+(vLLM `num_gpu_blocks_override: {extra.get('num_gpu_blocks_override')}`, `max_model_len:
+{result['engine'].get('max_model_len')}`) behind {result.get('gateways', 1)} gateway replica(s), each with its own
+router (as production runs several), deployed fresh for each policy, then
 `shunter bench run {shlex.join(result['workload_options'])}`: long system prompts of Zipf-skewed popularity,
 multi-turn sessions whose history grows (each turn resends the conversation with the server's answers),
-several sessions in flight at once. The distinct prompt tokens outgrow one replica's cache. {sizing}.
+{arrivals(result['workload_options'])}. The distinct prompt tokens outgrow one replica's cache. {sizing}.
 
 The engine columns come from the replicas' own prefix-cache counters; the oracle replays each run's own
 prompts, in the order they were sent, over LRU caches of the engines' size with perfect knowledge of them
@@ -411,6 +421,17 @@ Goals, as ratios from this run:
 
 {goals_lines(result)}
 """
+
+
+def arrivals(options: list[str]) -> str:
+    """How a run's sessions arrive, in words, from its `shunter bench run` options."""
+    from shunter.bench.runner import run_parser
+
+    args = run_parser().parse_args(options)
+    if args.rate is None:
+        return f"{args.concurrency or 8} sessions in flight at once (a closed loop)"
+    together = f", {args.burst} sessions of one group at a time" if args.burst > 1 else ""
+    return f"sessions starting at Poisson times, {args.rate:g} a second{together}, whatever the servers' pace"
 
 
 def as_ms(seconds: float | None) -> str:
@@ -439,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                         "together (an agent's parallel calls); the rate stays sessions a second")
     parser.add_argument("--scale-out", action="store_true",
                         help="kv-pressure: start each policy on one replica; the queue-depth autoscaler adds the "
-                        "second under load (128 sessions at 0.6 a second unless --rate/--concurrency)")
+                        "second under load (128 sessions at 0.9 a second unless --rate/--concurrency)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--out", type=Path,
                         help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
