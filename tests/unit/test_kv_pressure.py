@@ -357,3 +357,30 @@ def test_the_comparison_reports_the_goals_as_ratios_of_one_run():
     assert [g["met"] for g in goals(shared)] == [True, True, True]  # precise no worse than approximate
     assert routing_section(shared).startswith("## 4. ") and "approximate 1.5x" in routing_section(shared)
     assert goals({**result, "rows": rows[1:]})[0]["met"] is None  # precise not run: nothing to judge
+    assert "8 sessions in flight at once (a closed loop)" in text
+
+    from shunter.cli.bench_routing import SCALE_OUT_AUTOSCALING, run_options
+
+    scaled = {**result, "workload_options": run_options("kv-pressure", scale_out=True),
+              "scale_out": {"autoscaling": SCALE_OUT_AUTOSCALING}}
+    text = kv_pressure_section(scaled, 8)
+    assert text.startswith("## 8. Scaling out under KV-cache pressure, 1 to 2 replicas")
+    assert "--scale-out" in text and '"max_replicas": 2' in text
+    assert "sessions starting at Poisson times, 0.9 a second, whatever the servers' pace" in text
+
+
+def test_a_scale_out_run_reports_the_requests_sent_once_the_added_replica_was_up():
+    from shunter.cli.bench_routing import after_scale_out, scale_out_table
+
+    def req(start, ttft, replica, ok=True):
+        return {"start_s": start, "ttft_s": ttft if ok else None, "ok": ok, "replica": replica}
+
+    requests = [req(1, 9.0, "a"), req(5, 12.0, "a"), req(31, 0.4, "a"), req(32, 0.2, "b"), req(40, 0.3, "b"),
+                req(41, 0.5, None), req(42, None, "b", ok=False)]
+    after = after_scale_out(requests, 30.0)
+    assert after["requests"] == 4 and after["shares"] == [0.25, 0.25, 0.5]  # a, unknown, b
+    assert after["ttft_p50_s"] == pytest.approx(0.35) and after["second_replica_at_s"] == 30.0
+    assert after_scale_out(requests, None) == {"second_replica_at_s": None}
+    table = scale_out_table([{"policy": "precise", "after_scale_out": after},
+                             {"policy": "ray_prefix_cache_affinity", "after_scale_out": {"second_replica_at_s": None}}])
+    assert "| precise | 30 s | 4 | 350 ms |" in table and "| ray_prefix_cache_affinity | never |" in table

@@ -37,6 +37,7 @@ rebuilt from the seeded workload alone).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -184,8 +185,11 @@ class PromptRecorder:
 
     def __init__(self) -> None:
         self._bodies: dict[int, dict[str, Any]] = {}
+        self.first_sent_at: float | None = None  # time.perf_counter() of the first request: the run's clock
 
     def __call__(self, index: int, body: dict[str, Any]) -> None:
+        if self.first_sent_at is None:
+            self.first_sent_at = time.perf_counter()
         self._bodies[index] = body
 
     def in_order(self) -> list[dict[str, Any]]:

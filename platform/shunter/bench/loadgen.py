@@ -140,7 +140,7 @@ async def run_load(sessions: list[Session], cfg: LoadConfig) -> tuple[list[Reque
                 if (budget.left is not None and budget.left <= 0) or (
                         budget.deadline is not None and time.perf_counter() >= budget.deadline):
                     break
-                burst = [s for s in itertools.islice(pool, cfg.burst) if s is not None]
+                burst = list(itertools.islice(pool, cfg.burst))
                 if not burst:
                     break
                 tasks += [asyncio.create_task(run_session(s)) for s in burst]
@@ -237,6 +237,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
         async with client.stream("POST", path, json=body) as resp:
             record.status = resp.status_code
             record.head_s = time.perf_counter() - sent
+            record.replica = resp.headers.get("x-shunter-replica")
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 record.error = _error_message(body)

@@ -21,10 +21,11 @@ class RequestRecord:
     ttft_s: float | None = None  # first content token
     e2e_s: float | None = None  # last byte
     itl_s: list[float] = field(default_factory=list)  # gaps between successive content chunks
+    replica: str | None = None  # the replica that answered, where the server says (Shunter's x-shunter-replica)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RequestRecord:
-        return cls(**data)
+        return cls(**data)  # result files from before `replica` load too: it has a default

@@ -173,7 +173,12 @@ def _ms_to_s(ms: float | None) -> float | None:
 
 
 def main_run(argv: list[str]) -> int:
-    args = run_parser().parse_args(argv)
+    parser = run_parser()
+    args = parser.parse_args(argv)
+    if args.burst < 1 or (args.burst > 1 and args.rate is None):
+        parser.error("--burst is at least 1, and more only with --rate (sessions arriving together)")
+    if args.rate is not None and not args.rate > 0:
+        parser.error("--rate must be positive")
     result = run(args)
     plot = args.plot or args.out.with_suffix(".png")
     write_result(result, args.out, plot)

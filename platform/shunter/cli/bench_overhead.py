@@ -267,6 +267,7 @@ def suite_main(argv: list[str] | None = None) -> int:
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
     routing = compare_routing(args.config, args.model, list(POLICIES))
     kv_pressure = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure")
+    kv_scale_out = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure", scale_out=True)
     from shunter.cli.bench_saturation import measure as saturation
 
     result["saturation"] = [*saturation(args.config, args.model, 256, 1, 32, with_vllm_server=True),
@@ -283,6 +284,9 @@ def suite_main(argv: list[str] | None = None) -> int:
     (args.results / "routing-kv-pressure.json").write_text(
         json.dumps({"benchmark": "routing", **kv_pressure, **env}, indent=1))
     result["kv_pressure"] = kv_pressure
+    (args.results / "routing-kv-pressure-scale-out.json").write_text(
+        json.dumps({"benchmark": "routing", **kv_scale_out, **env}, indent=1))
+    result["kv_scale_out"] = kv_scale_out
     (args.results / "lora.json").write_text(json.dumps({"benchmark": "lora", **lora, **env}, indent=1))
     result["lora"] = lora
     img = args.docs / "img"
@@ -306,7 +310,8 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
     return f"""# Benchmarks
 
 Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`,
-`results/routing.json`, `results/routing-kv-pressure.json` and `results/lora.json`. Benchmarks
+`results/routing.json`, `results/routing-kv-pressure.json`, `results/routing-kv-pressure-scale-out.json` and
+`results/lora.json`. Benchmarks
 report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
 30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
 
@@ -361,7 +366,9 @@ vLLM's server queues everything. Wall time and TTFT are over the requests each s
 
 {lora_section(result["lora"], 6)}
 
-{kv_pressure_section(result["kv_pressure"], 7)}"""
+{kv_pressure_section(result["kv_pressure"], 7)}
+
+{kv_pressure_section(result["kv_scale_out"], 8)}"""
 
 
 def _saturation_ratios(rows: list[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ it sent (`approximate`), `least_connections`, `power_of_two` (Ray Serve's defaul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -81,6 +82,57 @@ KV_PRESSURE_MAX_MODEL_LEN = 2048
 SCALE_OUT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_queue_per_replica": 2,
                          "upscale_delay_s": 5, "downscale_delay_s": 3600}
 SCALE_OUT_LOAD = {"rate": 0.9, "conversations": 128}
+
+
+class ScaleWatch:
+    """When a deployment first runs `target` replicas, from Serve's status polled once a second in a thread
+    (a scale-out run's timeline: the requests sent before and after the added replica was up)."""
+
+    def __init__(self, app: str, deployment: str, target: int):
+        import threading
+
+        self.app, self.deployment, self.target = app, deployment, target
+        self.reached_at: float | None = None  # time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="scale-watch", daemon=True)
+
+    def __enter__(self) -> ScaleWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _poll(self) -> None:
+        from ray import serve
+
+        while not self._stop.wait(1.0):
+            try:
+                states = serve.status().applications[self.app].deployments[self.deployment].replica_states
+            except Exception:  # noqa: BLE001 - a status call that failed is tried again in a second
+                continue
+            if states.get("RUNNING", 0) >= self.target:
+                self.reached_at = time.perf_counter()
+                return
+
+
+def after_scale_out(requests: list[dict[str, Any]], at_s: float | None) -> dict[str, Any]:
+    """The requests a run sent once its added replica was up (`at_s`, seconds into the run): how many,
+    their TTFT p50/p90, and each replica's share of them (the replica header's; `unknown` where absent)."""
+    from collections import Counter
+
+    from shunter.bench.stats import percentile
+
+    if at_s is None:
+        return {"second_replica_at_s": None}
+    later = [r for r in requests if r["start_s"] >= at_s and r["ok"] and r["ttft_s"] is not None]
+    ttfts = sorted(r["ttft_s"] for r in later)
+    per_replica = Counter(r.get("replica") or "unknown" for r in later)
+    return {"second_replica_at_s": at_s, "requests": len(later),
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
+            "ttft_p90_s": percentile(ttfts, 90) if ttfts else None,
+            "shares": sorted(n / len(later) for n in per_replica.values()) if later else []}
 
 
 def with_load(options: list[str], rate: float | None = None, concurrency: int | None = None,
@@ -224,8 +276,14 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                 capacity = (engine["extra_engine_args"]["num_gpu_blocks_override"], 128)  # what was asked for
             ran = time.perf_counter()
             recorder = PromptRecorder()
-            result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
-                                                  "--label", name, *options]), on_send=recorder)
+            watch = ScaleWatch(APP, deployment_name(app_cfg.models[0]), replicas if scale_out else 0)
+            with watch if scale_out else contextlib.nullcontext():
+                result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
+                                                      "--label", name, *options]), on_send=recorder)
+            if scale_out:  # the load generator's clock: its first request's start_s after its start
+                first = recorder.first_sent_at
+                load_start = ran if first is None else first - result["requests"][0]["start_s"]
+                scaled = None if watch.reached_at is None else watch.reached_at - load_start
             bodies = recorder.in_order()
             ran = time.perf_counter() - ran
             if scale_out:  # the replicas the autoscaler added count from zero
@@ -249,6 +307,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                 "workload": result["workload"],
                 "run_s": ran,
                 "replicas_at_end": len(ids),
+                "after_scale_out": after_scale_out(result["requests"], scaled) if scale_out else None,
                 "kv_cache": {"blocks": capacity[0], "block_size": capacity[1]} if capacity else None,
                 "engine_prefix_cache": {
                     "queries": total_q, "hits": sum(hits.values()),
@@ -416,11 +475,28 @@ the ceiling of the hit rate (`shunter.bench.kv_oracle`).
 {routing_table(rows)}
 
 TTFT p50 of each policy against `precise`: {_against_precise(result)} (higher is worse).
-
+{scale_out_table(rows) if scale_out else ""}
 Goals, as ratios from this run:
 
 {goals_lines(result)}
 """
+
+
+def scale_out_table(rows: list[dict[str, Any]]) -> str:
+    """A scale-out run's requests sent once the added replica was up (Serve's status, polled each second)."""
+    lines = ["", "The requests sent once the second replica was up (seconds into the run, from Serve's status; "
+             "each reply's `x-shunter-replica` says who served it):", "",
+             "| policy | second replica up at | requests after | TTFT p50 after | TTFT p90 after | "
+             "requests per replica after |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        after = row.get("after_scale_out") or {}
+        if after.get("second_replica_at_s") is None:
+            lines.append(f"| {row['policy']} | never | | | | |")
+            continue
+        split = " / ".join(f"{share:.0%}" for share in after["shares"])
+        lines.append(f"| {row['policy']} | {after['second_replica_at_s']:.0f} s | {after['requests']} | "
+                     f"{as_ms(after['ttft_p50_s'])} | {as_ms(after['ttft_p90_s'])} | {split} |")
+    return "\n".join(lines) + "\n"
 
 
 def arrivals(options: list[str]) -> str:
