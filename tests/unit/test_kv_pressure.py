@@ -340,7 +340,7 @@ def _row(policy, ttft_p50, hit_rate, oracle=0.8):
 
 
 def test_the_comparison_reports_the_goals_as_ratios_of_one_run():
-    from shunter.cli.bench_routing import goals, kv_pressure_section, routing_section
+    from shunter.cli.bench_routing_report import goals, kv_pressure_section, routing_section
 
     rows = [_row("precise", 0.2, 0.76), _row("approximate", 0.3, 0.7), _row("least_connections", 0.7, 0.6),
             _row("power_of_two", 0.8, 0.55), _row("ray_prefix_cache_affinity", 0.25, 0.72)]
@@ -370,7 +370,8 @@ def test_the_comparison_reports_the_goals_as_ratios_of_one_run():
 
 
 def test_a_scale_out_run_reports_the_requests_sent_once_the_added_replica_was_up():
-    from shunter.cli.bench_routing import after_scale_out, scale_out_table
+    from shunter.cli.bench_routing import after_scale_out
+    from shunter.cli.bench_routing_report import scale_out_table
 
     def req(start, ttft, replica, ok=True):
         return {"start_s": start, "ttft_s": ttft if ok else None, "ok": ok, "replica": replica}

@@ -122,7 +122,7 @@ def compare_lora(config: Path, model_name: str, policies: list[str], adapters: i
 
 
 def lora_table(rows: list[dict[str, Any]]) -> str:
-    from shunter.cli.bench_routing import as_ms
+    from shunter.cli.bench_routing_report import as_ms
 
     lines = ["| policy | TTFT p50 | TTFT p90 | E2E p50 | output tok/s | adapter loads per 100 requests "
              "| seconds loading | failed |", "|---|---|---|---|---|---|---|---|"]

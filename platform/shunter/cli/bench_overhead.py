@@ -301,7 +301,7 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
     from shunter.cli.bench_lora import lora_section
-    from shunter.cli.bench_routing import kv_pressure_section, routing_section
+    from shunter.cli.bench_routing_report import kv_pressure_section, routing_section
     from shunter.cli.bench_saturation import table as saturation_table
 
     machine = env["machine"]
