@@ -64,8 +64,8 @@ WORKLOAD = ["--workload", "shared-prefix", "--groups", "16", "--users", "4", "--
 # Sessions start at Poisson times, 1 a second (2 requests a second), as users arrive, whatever the
 # servers' pace: on two one-core engines that is more prefill than a router that misses 40% of the prompt
 # can do, and well within one that misses 20%; a fixed number of sessions in flight (closed loop) would
-# instead slow the clients down to each router's pace and hide the difference in queueing (one run of it:
-# section 7's first table).
+# instead slow the clients down to each router's pace and hide the difference in queueing (a run of it:
+# docs/benchmarks.md section 7).
 KV_PRESSURE_WORKLOAD = ["--workload", "kv-pressure", "--groups", "12", "--conversations", "64", "--turns", "2",
                         "--system-len", "1536", "--turn-len", "uniform:64:128", "--output-len", "fixed:16",
                         "--zipf", "0.3", "--rate", "1.0", "--slo-ttft-ms", "2000", "--slo-itl-ms", "150",
