@@ -139,7 +139,7 @@ def after_scale_out(requests: list[dict[str, Any]], at_s: float | None) -> dict[
     if at_s is None:
         return {"second_replica_at_s": None}
     later = [r for r in requests if r["start_s"] >= at_s and r["ok"] and r["ttft_s"] is not None]
-    ttfts = sorted(r["ttft_s"] for r in later)
+    ttfts = [r["ttft_s"] for r in later]
     per_replica = Counter(r.get("replica") or "unknown" for r in later)
     return {"second_replica_at_s": at_s, "requests": len(later),
             "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
@@ -288,14 +288,16 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                 capacity = (engine["extra_engine_args"]["num_gpu_blocks_override"], 128)  # what was asked for
             ran = time.perf_counter()
             recorder = PromptRecorder()
-            watch = ScaleWatch(APP, deployment_name(app_cfg.models[0]), replicas if scale_out else 0)
-            with watch if scale_out else contextlib.nullcontext():
+            watch = ScaleWatch(APP, deployment_name(app_cfg.models[0]), replicas) if scale_out else None
+            with watch or contextlib.nullcontext():
                 result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
                                                       "--label", name, *options]), on_send=recorder)
-            if scale_out:  # the load generator's clock: its first request's start_s after its start
+            scaled = None
+            if watch is not None and watch.reached_at is not None:
+                # on the load generator's clock: its first request's start_s after its start
                 first = recorder.first_sent_at
                 load_start = ran if first is None else first - result["requests"][0]["start_s"]
-                scaled = None if watch.reached_at is None else watch.reached_at - load_start
+                scaled = watch.reached_at - load_start
             bodies = recorder.in_order()
             ran = time.perf_counter() - ran
             if scale_out:  # the replicas the autoscaler added count from zero
