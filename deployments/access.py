@@ -171,6 +171,12 @@ class AccessControl:
             raise ApiError(400, f"{len(request.messages)} {'input items' if field == 'input' else 'messages'}; this "
                            f"platform takes at most {limits.max_messages} per request", param=field,
                            code="too_many_messages")
+        if request.endpoint in ("embedding", "completion"):
+            most = limits.max_embedding_inputs if request.endpoint == "embedding" else limits.max_completion_prompts
+            if request.prompts > most:
+                what = "inputs" if request.endpoint == "embedding" else "prompts in the batch"
+                raise ApiError(400, f"{request.prompts} {what}; this platform takes at most {most} per request",
+                               param=CONVERSATION_FIELD[request.endpoint], code="too_many_inputs")
         if request.n > limits.max_n:
             raise ApiError(400, f"n={request.n}; this platform takes at most {limits.max_n}", param="n",
                            code="n_too_large")

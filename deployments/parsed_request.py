@@ -55,6 +55,11 @@ class ParsedRequest:
     tool_choice: str | None = None
 
     @property
+    def engine_requests(self) -> int:
+        """How many requests the engine runs for it: one per prompt of a batch (or embedding input) and choice."""
+        return self.prompts * self.n
+
+    @property
     def completion_tokens_asked(self) -> int | None:
         """Completion tokens the whole request may generate (every choice of every prompt), or None when
         the platform's default applies."""

@@ -3,14 +3,17 @@
 What is refused here, each with its own status and code: a body that is not declared JSON (415: a web
 page cannot send one without a preflight this gateway never grants), past `gateway.max_body_bytes` (413),
 slower than `gateway.body_timeout_s` (408), a slow body when every upload slot is taken (503), invalid
-UTF-8 or JSON, NaN/Infinity, nesting deeper than MAX_JSON_DEPTH, anything but an object (400). The
-content itself is then parsed by vLLM's own request models (`shunter.deployments.parsed_request`).
+UTF-8 or JSON, NaN/Infinity, nesting deeper than MAX_JSON_DEPTH, a lone UTF-16 surrogate escaped anywhere in
+it (a key or a value: `"\\ud800"` is valid JSON but no valid text, and every layer after this one that encodes
+it, vLLM's tokenizer, its JSON replies, the gateway's own error messages, raises), anything but an object
+(400). The content itself is then parsed by vLLM's own request models (`shunter.deployments.parsed_request`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +25,9 @@ from shunter.errors import ApiError
 MAX_JSON_DEPTH = 64
 FAST_BODY_S = 0.5  # a body still arriving after this needs an upload slot (gateway.max_body_reads)
 _PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this are validated on the event loop (well under 1 ms)
+# A surrogate can only enter a parsed body through a `\\uD800`-`\\uDFFF` escape (UTF-8 decoding refuses encoded
+# ones): bodies without such an escape, nearly all, are never walked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class BodyReader:
@@ -60,6 +66,12 @@ class BodyReader:
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}",
                            code="invalid_json")
+        if _SURROGATE_ESCAPE.search(text):
+            where = lone_surrogate_at(body)
+            if where is not None:
+                raise ApiError(400, f"request body holds a lone UTF-16 surrogate escape at {where or 'its top'}: "
+                               "JSON strings must be valid Unicode (a surrogate only as half of a pair)",
+                               param=where or None, code="invalid_encoding")
         return body
 
     async def _read(self, request: Request) -> bytes:
@@ -124,6 +136,35 @@ def nesting_depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where the first string holding a lone surrogate is (a dotted path, keys included; the offending
+    character itself written as an escape so the answer can be encoded), or None. Walked without recursion."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return path
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}.{i}" if path else str(i)) for i, child in enumerate(item))
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                name = key if _encodes(key) else key.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+                where = f"{path}.{name}" if path else name
+                if name is not key:
+                    return where
+                stack.append((child, where))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _require_json(request: Request, optional: bool) -> None:

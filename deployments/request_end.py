@@ -58,6 +58,7 @@ class RequestEnd:
         self.tel = tel
         self.ticket: Any = None  # the caller's quota reservation (shunter.deployments.access.Ticket)
         self.gate: AdmissionGate | None = None
+        self.gate_weight = 1
         self.turn: DispatchQueue | None = None  # the dispatch queue whose turn the request holds
         self.reply: _Reply | None = None
         self.settled = False
@@ -65,9 +66,9 @@ class RequestEnd:
     def reserve(self, ticket: Any) -> None:
         self.ticket = ticket
 
-    def hold(self, gate: AdmissionGate) -> None:
-        """The request took an admission slot of `gate`."""
-        self.gate = gate
+    def hold(self, gate: AdmissionGate, weight: int = 1) -> None:
+        """The request took `weight` admission slots of `gate` (a batch takes one per engine request)."""
+        self.gate, self.gate_weight = gate, weight
 
     def dispatched(self, queue: DispatchQueue) -> None:
         """The request had its turn in `queue` and goes to the replicas."""
@@ -107,7 +108,7 @@ class RequestEnd:
         if self.turn is not None:
             self.turn.leave()
         if self.gate is not None:
-            self.gate.release()
+            self.gate.release(self.gate_weight)
 
     def stream_status(self, ok: bool | None, aborted: bool, cut: bool) -> int | str:
         """The status a stream that started with 200 ends with: 200 served whole, `stream_error` when

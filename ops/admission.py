@@ -41,17 +41,27 @@ class AdmissionGate:
         self.admitted = 0
         self._finished: deque[float] = deque()  # when recent admitted requests finished
 
-    def try_admit(self, capacity: int, max_wait_s: float = math.inf) -> int | None:
+    def try_admit(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1) -> int | None:
         """Admit one request (None), or refuse it: the seconds a client should wait before retrying. It is
         refused past the count bound, and when it would wait for a slot longer than `max_wait_s` as far
-        as the recent finish rate tells (no rate yet: the count alone decides)."""
-        if self.admitted >= max(0, capacity) + self.max_queued:
+        as the recent finish rate tells (no rate yet: the count alone decides).
+
+        `weight`: the engine requests it makes (a batch of embedding inputs or completion prompts, times
+        `n`): it counts as that many (`admitted_weight` says how many it took; release that many). A batch
+        larger than the whole bound counts as the whole bound, so an idle model still takes it, alone."""
+        bound = max(0, capacity) + self.max_queued
+        weight = self.admitted_weight(capacity, weight)
+        if self.admitted + weight > bound:
             return self.retry_after_s(capacity)
         wait = self.expected_wait_s(capacity)
         if wait is not None and wait > max_wait_s:
             return self.retry_after_s(capacity)
-        self.admitted += 1
+        self.admitted += weight
         return None
+
+    def admitted_weight(self, capacity: int, weight: int) -> int:
+        """What a request of `weight` engine requests counts for at this gate (at least 1, at most the bound)."""
+        return max(1, min(weight, max(0, capacity) + self.max_queued))
 
     def expected_wait_s(self, capacity: int) -> float | None:
         """How long a request admitted now would wait for a slot: 0 while there is room, else the requests
@@ -65,11 +75,10 @@ class AdmissionGate:
         span = max(1.0, self.clock() - self._finished[0])
         return (ahead + 1) / (len(self._finished) / span)
 
-    def release(self) -> None:
-        """An admitted request finished, however it ended."""
-        if self.admitted > 0:
-            self.admitted -= 1
-        self._finished.append(self.clock())
+    def release(self, weight: int = 1) -> None:
+        """An admitted request finished, however it ended (`weight`: what it was admitted as)."""
+        self.admitted = max(0, self.admitted - weight)
+        self._finished.extend([self.clock()] * weight)
         self._expire()
 
     def queued(self, capacity: int) -> int:

@@ -32,14 +32,27 @@ def error_type(status: int) -> str:
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    """Message and param are made encodable: they may quote a client's key or value, and a lone surrogate in
+    one would make the error itself fail to encode (a 500 in place of the refusal)."""
     return {
         "error": {
-            "message": message,
+            "message": encodable(message),
             "type": error_type(status),
-            "param": param,
+            "param": encodable(param) if param is not None else None,
             "code": code if code is not None else status,
         }
     }
+
+
+def encodable(text: str) -> str:
+    """`text` as valid UTF-8 text: a lone surrogate becomes its escape (`\\ud800`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    except AttributeError:  # not a string (a param given as a number): shown as text
+        return str(text)
+    return text
 
 
 def validation_error_body(exc: ValidationError) -> dict[str, Any]:

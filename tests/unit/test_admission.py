@@ -20,6 +20,21 @@ def test_admits_up_to_capacity_plus_the_queue_bound_then_refuses():
     assert gate.try_admit(capacity=3) is None, "a finished request frees its slot"
 
 
+def test_a_batch_counts_as_its_engine_requests_and_a_huge_one_as_the_whole_bound():
+    gate = AdmissionGate(max_queued=2, clock=Clock())  # bound: 4 + 2
+    assert gate.try_admit(capacity=4, weight=4) is None
+    assert gate.admitted == 4
+    assert gate.try_admit(capacity=4, weight=3) is not None, "4 + 3 engine requests exceed the bound of 6"
+    assert gate.try_admit(capacity=4, weight=2) is None
+    gate.release(4), gate.release(2)
+    assert gate.admitted == 0
+    assert gate.admitted_weight(4, 2100) == 6, "a batch past the whole bound counts as the bound"
+    assert gate.try_admit(capacity=4, weight=2100) is None, "an idle model still takes it, alone"
+    assert gate.try_admit(capacity=4) is not None, "and nothing else while it runs"
+    gate.release(gate.admitted_weight(4, 2100))
+    assert gate.admitted == 0 and gate.try_admit(capacity=4) is None
+
+
 def test_a_refusal_never_touches_admitted_requests():
     gate = AdmissionGate(max_queued=0, clock=Clock())
     assert gate.try_admit(capacity=1) is None

@@ -183,9 +183,13 @@ USER = {"role": "user", "content": "x"}
     ("chat", {"messages": [USER], "max_tokens": "500"}, "max_tokens", "max_tokens_too_large"),
     ("completion", {"prompt": "x", "max_tokens": 33.0}, "max_tokens", "max_tokens_too_large"),
     ("chat", {"messages": [USER], "max_completion_tokens": 33}, "max_completion_tokens", "max_tokens_too_large"),
+    ("embedding", {"input": ["a", "b", "c", "d"]}, "input", "too_many_inputs"),
+    ("embedding", {"input": [[1], [2], [3], [4]]}, "input", "too_many_inputs"),  # token-id inputs count too
+    ("completion", {"prompt": ["a", "b", "c", "d"]}, "prompt", "too_many_inputs"),
 ])
 def test_requests_past_a_limit_get_400_naming_the_field(endpoint, body, param, code):
-    door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32}), environ={})
+    door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32, "max_embedding_inputs": 3,
+                                        "max_completion_prompts": 3}), environ={})
     error = refusal(door.check_limits, parse(endpoint, body))
     assert (error.status, error.param, error.code) == (400, param, code)
 

@@ -15,7 +15,8 @@ class LimitsConfig(StrictModel):
     max_prompt_tokens: int | None = Field(
         default=None, ge=1,
         description="Most prompt tokens one request may send, counted by the model's own tokenizer in the "
-        "replica. null = the model's context length is the only limit.",
+        "replica (a batch of completion prompts or embedding inputs: all of them together). null = the "
+        "model's context length is the only limit.",
     )
     max_tokens: int = Field(
         default=4096, ge=1,
@@ -24,6 +25,16 @@ class LimitsConfig(StrictModel):
         "than the model's context).",
     )
     max_n: int = Field(default=8, ge=1, description="Most choices (`n`, `best_of`) one request may ask for.")
+    max_embedding_inputs: int = Field(
+        default=2048, ge=1,
+        description="Most inputs in one embeddings request (OpenAI's bound is 2,048). Each input is an engine "
+        "request: it counts toward `max_prompt_tokens` (their sum), the key's token quota and the model's "
+        "admission bound as that many requests.",
+    )
+    max_completion_prompts: int = Field(
+        default=2048, ge=1,
+        description="Most prompts in one completions batch (`prompt` as a list); counted like embedding inputs.",
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0,
         description="Longest a request may take, queueing included: a reply not finished by then is a 504 "
