@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shunter.auth import Caller
+from shunter.auth import Caller, cache_salt
 from shunter.config import DEFAULT_VERSION, ModelConfig, ShunterConfig
 from shunter.deployments.access import AccessControl
 from shunter.deployments.adapters import Adapter, LiveAdapters, rollout_key
@@ -91,6 +91,8 @@ class Forwarder:
         route = self.adapters.route(adapter, _session(request, body)) if adapter is not None else None
         # The engine knows the canonical name only (an adapter's version under rollout, its own).
         body = {**body, "model": route.engine_name if route is not None else served}
+        if endpoint != "embedding" and (salt := cache_salt(caller, body.get("cache_salt"))) is not None:
+            body["cache_salt"] = salt  # tenants' prompt caches apart: nothing cached for one key shows to another
         tel = RequestTelemetry(model.name, endpoint, request.headers, _request_id(), parsed.usage_chunk,
                                log_prompt=self._prompt_for_logs(body), continuous_usage=parsed.continuous_usage)
         tel.choices_per_prompt = parsed.n
@@ -108,8 +110,8 @@ class Forwarder:
             timeout = self.config.gateway.limits.request_timeout_s
             with tel.use():
                 try:
-                    response = await asyncio.wait_for(self._admit(request, model, endpoint, body, end, limits),
-                                                      timeout)
+                    response = await asyncio.wait_for(
+                        self._admit(request, model, endpoint, body, end, limits, parsed.engine_requests), timeout)
                 except asyncio.TimeoutError:
                     log.warning("model %s request %s: no reply within the request timeout of %gs", model.name,
                                 tel.request_id, timeout)
@@ -184,7 +186,7 @@ class Forwarder:
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, request: Request, model: ModelConfig, endpoint: str, body: dict[str, Any],
-                     end: RequestEnd, limits: RequestLimits) -> Response:
+                     end: RequestEnd, limits: RequestLimits, engine_requests: int = 1) -> Response:
         self.traffic.ensure_started()
         tel = end.tel
         versions = self._versions_for(model, request, body)
@@ -199,7 +201,9 @@ class Forwarder:
         # Never admit a request expected to wait for a slot past the queue timeout (it would end in a 503
         # after that wait), nor past the model's own wait budget.
         max_wait = min(model.admission.max_wait_s or math.inf, self.config.gateway.queue_timeout_s)
-        retry_after = gate.try_admit(capacity, max_wait)
+        # A batch (embedding inputs, completion prompts, choices) is that many engine requests' worth of work.
+        weight = gate.admitted_weight(capacity, engine_requests)
+        retry_after = gate.try_admit(capacity, max_wait, weight)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
             wait = gate.expected_wait_s(capacity)
@@ -207,7 +211,7 @@ class Forwarder:
             return error_response(429, f"model {model.name!r} is overloaded: {gate.queued(capacity)} requests are "
                                   f"already waiting for a replica{about}; retry in {retry_after}s", code="queue_full",
                                   headers={"Retry-After": str(retry_after)})
-        end.hold(gate)
+        end.hold(gate, weight)
         tel.admitted()
         queue = self.state.dispatch(model)
         wait = self.config.gateway.queue_timeout_s

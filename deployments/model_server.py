@@ -179,8 +179,9 @@ class ModelServer:
         key = prefix_key(render_prompt(request.endpoint, request.body), view.index.block_size)
         if not key.keys:
             return None
+        salt = request.body.get("cache_salt")  # the engine keys the blocks by it (the gateway's tenant salt)
         return prompt_observer.set(
-            lambda tokens, lora: view.link(key.keys, key.chars, key.chunk_chars, tokens, lora))
+            lambda tokens, lora: view.link(key.keys, key.chars, key.chunk_chars, tokens, lora, salt))
 
     async def _relay(self, items: AsyncIterator[Any], request: ReplicaRequest) -> AsyncIterator[Any]:
         """The reply's items on Ray, but a stream's chunks after the first over the gateway's token
@@ -225,10 +226,11 @@ class ModelServer:
         if request.endpoint == "completion" and min(lengths) == 0:
             return body, error_body("The decoder prompt cannot be empty" + (
                 f" (prompt {lengths.index(0)} of the batch)" if len(lengths) > 1 else ""), 400, param="prompt")
-        tokens = max(lengths)
+        tokens = sum(lengths)  # a batch's every prompt (or embedding input) is the engine's work
         if limits.max_prompt_tokens is not None and tokens > limits.max_prompt_tokens:
             param = CONVERSATION_FIELD[request.endpoint]
-            return body, error_body(f"the prompt is {tokens} tokens; this platform takes at most "
+            what = "the prompt is" if len(lengths) == 1 else f"the {len(lengths)} prompts are"
+            return body, error_body(f"{what} {tokens} tokens; this platform takes at most "
                                     f"{limits.max_prompt_tokens} prompt tokens per request", 400,
                                     param=param, code="prompt_too_long")
         return body, None

@@ -45,11 +45,17 @@ class PrefixKey:
 
 def render_prompt(endpoint: str, body: dict[str, Any]) -> str:
     """Canonical text of what the engine will see first, in order; "" when there is no prompt. It starts
-    with the `model` the engine is asked for: the same prompt under two LoRA adapters of one base model is
-    two prefixes (the engine's KV blocks are keyed by adapter too)."""
+    with the `model` the engine is asked for and the request's `cache_salt`: the same prompt under two LoRA
+    adapters of one base model, or from two tenants (the gateway salts each key's requests), is two
+    prefixes, as the engine's KV blocks are keyed by adapter and salt too."""
     text = _render(endpoint, body)
-    model = body.get("model")
-    return f"<model>{model}\n{text}" if text and isinstance(model, str) else text
+    if not text:
+        return text
+    model, salt = body.get("model"), body.get("cache_salt")
+    head = f"<model>{model}\n" if isinstance(model, str) else ""
+    if isinstance(salt, str) and salt:
+        head += f"<salt>{salt}\n"
+    return head + text
 
 
 def _render(endpoint: str, body: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shunter.config import ApiKeyConfig, AuthConfig, KeySourceConfig
 
@@ -88,6 +89,20 @@ class Caller:
 
 
 ALL_ADAPTERS = ":*"  # `<model>:*` in a key's models: every LoRA adapter of that model
+
+
+def cache_salt(caller: Caller, asked: Any = None) -> str | None:
+    """The prompt-cache salt (vLLM's per-request `cache_salt`) of a client key's request: derived from the
+    key's cache group, or its name, so the engine's prefix cache is shared only within that scope. A salt
+    the client sent (`asked`) is folded in: it can split its own cache further, never join another's.
+    None without keys (anonymous): the client's own salt, if any, stands."""
+    config = caller.config
+    if config is None:
+        return None
+    scope = f"group:{config.cache_group}" if config.cache_group else f"key:{caller.name}"
+    extra = asked if isinstance(asked, str) else ""
+    return hashlib.blake2b(f"{scope}\0{extra}".encode("utf-8", "backslashreplace"), digest_size=16,
+                           person=b"shunter-salt").hexdigest()
 
 ANONYMOUS = Caller(name="anonymous", key_id="none")  # who calls when no key is configured
 

@@ -21,9 +21,11 @@ translates:
   until the view has had time to fill again.
 
 Only plain decoder models are meant: one KV-cache group, whole blocks only (vLLM never emits partial
-blocks for them). A block's extra keys (multimodal items, cache salt) are not part of its content here:
-blocks that differ only by them share one content entry (the last stored wins), so what is reported
-about such blocks can be wrong either way. Like engine.py, this imports vLLM only inside functions.
+blocks for them). A sequence's first block is found under its extra keys as the event publishes them (the
+LoRA name, then the request's `cache_salt`: the gateway salts every key's requests, so two tenants' equal
+prompts are two chains here as in the engine); later blocks hang off their parent's hash, which the salt
+already changed. Multimodal extra keys are not modelled. Like engine.py, this imports vLLM only inside
+functions.
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ def block_digest(tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(packed.tobytes(), digest_size=DIGEST_BYTES).digest()
 
 
-ContentKey = tuple[Hashable | None, str | None, bytes]  # (parent's engine hash, LoRA name, token digest)
+# (parent's engine hash, or for a first block its extra keys (`first_block_root`); LoRA name; token digest)
+ContentKey = tuple[Hashable | None, str | None, bytes]
+
+
+def first_block_root(lora_name: str | None, cache_salt: str | None) -> tuple[str, ...] | None:
+    """What stands in for the parent of a sequence's first block: its extra keys, in the order vLLM's
+    BlockStored event lists them untagged (LoRA name, then cache salt), None without either."""
+    root = tuple(k for k in (lora_name, cache_salt) if k)
+    return root or None
 
 
 class KVBlockIndex:
@@ -101,6 +111,10 @@ class KVBlockIndex:
     def _store(self, event: Any) -> None:
         size, tokens, lora = event.block_size, event.token_ids, event.lora_name
         parent = event.parent_block_hash  # None: the first block of a sequence
+        if parent is None:
+            extra = getattr(event, "extra_keys", None)
+            first = extra[0] if extra else None
+            parent = tuple(first) if first else None
         for i, engine_hash in enumerate(event.block_hashes):
             block = tokens[i * size : (i + 1) * size]
             if len(block) < size:
@@ -127,10 +141,10 @@ class KVBlockIndex:
                 if self._content.get(entry[1]) == engine_hash:
                     del self._content[entry[1]]
 
-    def held_depth(self, digests: Sequence[bytes], lora_name: str | None) -> int:
+    def held_depth(self, digests: Sequence[bytes], lora_name: str | None, cache_salt: str | None = None) -> int:
         """How many leading blocks of a token chain (its block digests, in order) the engine holds."""
         with self._lock:
-            parent: Hashable | None = None
+            parent: Hashable | None = first_block_root(lora_name, cache_salt)
             depth = 0
             for digest in digests:
                 parent = self._content.get((parent, lora_name, digest))
@@ -153,11 +167,12 @@ class KVBlockIndex:
 class _Chain:
     """One served request's prompt blocks, shared by its keys (compared by identity)."""
 
-    __slots__ = ("digests", "lora_name")
+    __slots__ = ("cache_salt", "digests", "lora_name")
 
-    def __init__(self, digests: tuple[bytes, ...], lora_name: str | None):
+    def __init__(self, digests: tuple[bytes, ...], lora_name: str | None, cache_salt: str | None = None):
         self.digests = digests
         self.lora_name = lora_name
+        self.cache_salt = cache_salt
 
 
 class PrefixLinks:
@@ -172,7 +187,7 @@ class PrefixLinks:
         return len(self._links)
 
     def link(self, keys: Sequence[bytes], chars: int, chunk_chars: int, token_ids: Sequence[int],
-             block_size: int, lora_name: str | None) -> None:
+             block_size: int, lora_name: str | None, cache_salt: str | None = None) -> None:
         """A served request: its prompt was `chars` canonical characters cut into `len(keys)` chunks of
         `chunk_chars`, and the engine saw `token_ids`. Key j stands for the first (j+1)*chunk_chars
         characters, about the same share of the tokens; it is held while the engine holds the whole blocks
@@ -187,7 +202,7 @@ class PrefixLinks:
                  for j in range(len(keys))]
         deepest = max(needs)
         chain = _Chain(tuple(block_digest(token_ids[i * block_size : (i + 1) * block_size])
-                             for i in range(deepest)), lora_name)
+                             for i in range(deepest)), lora_name, cache_salt)
         # Last key first, so the head of the prompt is the most recently used: eviction drops tails
         # before heads, as the engine does.
         for key, need in zip(reversed(keys), reversed(needs), strict=True):
@@ -203,7 +218,7 @@ class PrefixLinks:
         for key, (chain, need) in reversed(self._links.items()):
             depth = depths.get(chain)
             if depth is None:
-                depth = depths[chain] = index.held_depth(chain.digests, chain.lora_name)
+                depth = depths[chain] = index.held_depth(chain.digests, chain.lora_name, chain.cache_salt)
             if depth >= need:
                 held.append(key)
         return held
@@ -479,8 +494,8 @@ class EnginePrefixView:
         self.subscriber.stop()
 
     def link(self, keys: Sequence[bytes], chars: int, chunk_chars: int, token_ids: Sequence[int],
-             lora_name: str | None) -> None:
-        self.links.link(keys, chars, chunk_chars, token_ids, self.index.block_size, lora_name)
+             lora_name: str | None, cache_salt: str | None = None) -> None:
+        self.links.link(keys, chars, chunk_chars, token_ids, self.index.block_size, lora_name, cache_salt)
 
     def summary(self) -> dict[str, Any]:
         """For the replica's stats and metrics: the view's counts, its subscriber's, and the keys held at

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from shunter.auth import KeyRing, KeySourceError, bearer_token, digest, key_id, new_key, read_key
+from shunter.auth import (
+    ANONYMOUS,
+    KeyRing,
+    KeySourceError,
+    bearer_token,
+    cache_salt,
+    digest,
+    key_id,
+    new_key,
+    read_key,
+)
 from shunter.config import ConfigError, KeySourceConfig, parse_config
 from shunter.deployments.access import AccessControl
 from shunter.deployments.parsed_request import parse
 from shunter.errors import ApiError
+from shunter.routing.prefix import prefix_key, render_prompt
 
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-0123456789abcdef"
@@ -240,3 +251,24 @@ def test_keys_new_and_id(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(key + "\n"))
     assert cli_main(["keys", "id"]) == 0
     assert capsys.readouterr().out.strip() == key_id(key)
+
+
+# ---- prompt caches per tenant ------------------------------------------------------------------------
+
+def test_each_key_gets_its_own_prompt_cache_salt_and_a_cache_group_shares_one():
+    door = AccessControl(config({"keys": [{"name": "team-a", "key_env": "KEY_A", "cache_group": "org"},
+                                          {"name": "team-b", "key_env": "KEY_B", "cache_group": "org"},
+                                          {"name": "solo", "key_env": "ADMIN_KEY"}]}), environ=ENV)
+    a, b, solo = (door.client(bearer(k)) for k in (KEY_A, KEY_B, ADMIN))
+    assert cache_salt(a) == cache_salt(b) != cache_salt(solo)
+    assert cache_salt(a, "mine") not in (cache_salt(a), cache_salt(solo, "mine")), "a client salt splits, never joins"
+    salt = cache_salt(solo)
+    assert salt is not None and len(salt) <= 128 and salt.isalnum(), "what vLLM's cache_salt takes"
+    assert ADMIN not in salt and cache_salt(ANONYMOUS, "theirs") is None, "no keys: the client's own salt stands"
+
+
+def test_the_router_keys_a_salted_prompt_apart():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 4096}]}
+    keys = {salt: prefix_key(render_prompt("chat", {**body, "cache_salt": salt} if salt else body), 16).keys
+            for salt in (None, "a", "b")}
+    assert not set(keys[None]) & set(keys["a"]) and not set(keys["a"]) & set(keys["b"])

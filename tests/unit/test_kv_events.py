@@ -35,9 +35,15 @@ pytestmark = pytest.mark.unit
 BS = 4  # block size of the index tests: short token lists
 
 
-def _stored(hashes: list, tokens: list[int], parent=None, lora: str | None = None, size: int = BS) -> BlockStored:
+def _stored(hashes: list, tokens: list[int], parent=None, lora: str | None = None, size: int = BS,
+            salt: str | None = None) -> BlockStored:
+    """As vLLM publishes it: each block's extra keys untagged, the LoRA name on every block, the cache salt
+    on a sequence's first block only."""
+    extra = [tuple(k for k in (lora, salt if parent is None and i == 0 else None) if k) or None
+             for i in range(len(hashes))]
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=size,
-                       lora_id=None, medium="GPU", lora_name=lora)
+                       lora_id=None, medium="GPU", lora_name=lora,
+                       extra_keys=extra if any(extra) else None)
 
 
 def _removed(*hashes) -> BlockRemoved:
@@ -122,6 +128,25 @@ def test_the_same_tokens_under_two_adapters_are_two_chains():
     assert index.held_depth(_digests(PROMPT), "b") == 0
     index.apply(_batch(_stored([11, 12], PROMPT[:8])))
     assert index.held_depth(_digests(PROMPT), None) == 2 and index.held_depth(_digests(PROMPT), "a") == 3
+
+
+def test_the_same_tokens_under_two_cache_salts_are_two_chains():
+    """Two tenants' equal prompts (the gateway salts each key's requests) are two chains, as in the engine."""
+    index = KVBlockIndex(BS)
+    index.apply(_batch(_stored([21, 22, 23], PROMPT, salt="tenant-a")))
+    assert index.held_depth(_digests(PROMPT), None, "tenant-a") == 3
+    assert index.held_depth(_digests(PROMPT), None, "tenant-b") == 0
+    assert index.held_depth(_digests(PROMPT), None) == 0
+    index.apply(_batch(_stored([31, 32, 33], PROMPT, lora="a", salt="tenant-b")))
+    assert index.held_depth(_digests(PROMPT), "a", "tenant-b") == 3
+    assert index.held_depth(_digests(PROMPT), "a", "tenant-a") == 0 and index.held_depth(_digests(PROMPT), "a") == 0
+    links = PrefixLinks(max_keys=16)
+    links.link([b"k"], chars=48, chunk_chars=16, token_ids=PROMPT, block_size=BS, lora_name=None,
+               cache_salt="tenant-b")
+    assert links.held_keys(index) == [], "tenant-b's blocks without the adapter: not held"
+    links.link([b"k"], chars=48, chunk_chars=16, token_ids=PROMPT, block_size=BS, lora_name=None,
+               cache_salt="tenant-a")
+    assert links.held_keys(index) == [b"k"]
 
 
 def test_a_block_whose_parent_is_unknown_counts_once_the_parent_is_stored_again():

@@ -75,6 +75,13 @@ class ApiKeyConfig(KeySourceConfig):
         description="Prompt plus completion tokens per minute; null = unlimited. A request reserves its "
         "prompt estimate plus its max_tokens and is settled at its real usage when it ends.",
     )
+    cache_group: str | None = Field(
+        default=None, pattern=KEY_NAME_PATTERN,
+        description="Keys with the same cache group share cached prompt prefixes (one organization's common "
+        "system prompt); null = the key's own. Every key's requests carry a prompt-cache salt derived from "
+        "its group or name, so one key can neither reuse nor detect (by `cached_tokens`, timing or the "
+        "`x-shunter-prefix-predicted` header) a prefix another group's key sent.",
+    )
 
 
 class AuthConfig(StrictModel):
