@@ -61,7 +61,8 @@ class ReplicaAdmin:
             for replica in sorted(routing.replicas):
                 rows.append({"replica": replica, "version": version, "cordoned": replica in routing.cordoned,
                              "in_flight_here": routing.load(replica),
-                             "breaker": routing.breakers.state(replica).value})
+                             "breaker": routing.breakers.state(replica).value,
+                             "failures": routing.breakers.failures.get(replica, 0)})
         return rows
 
     async def drain(self, model: ModelConfig, replica: str, replace: bool, within_s: float,

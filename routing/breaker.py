@@ -115,6 +115,9 @@ class BreakerBoard:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._on_transition = on_transition
         self._seen_state: dict[str, BreakerState] = {}
+        # Replica failures recorded per replica since this process started (whatever the breaker did with
+        # them): what an operator, or a test of "no client input moves a breaker", reads.
+        self.failures: dict[str, int] = {}
 
     def _get(self, replica: str) -> CircuitBreaker:
         breaker = self._breakers.get(replica)
@@ -143,6 +146,8 @@ class BreakerBoard:
         if not self.config.enabled:
             return
         breaker = self._get(replica)
+        if failed:
+            self.failures[replica] = self.failures.get(replica, 0) + 1
         change = breaker.record(failed, why)
         if change is not None:
             before, after = change

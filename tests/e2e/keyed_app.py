@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from shunter.auth import new_key
 from tests.integration.local_app import local_app
 
@@ -29,9 +31,12 @@ from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
 APP = "keys-e2e"
 FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key(), new_key()
 AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
+ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2e/test_api_keys_isolation.py)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
-       "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY}
+       "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
+       "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
+MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
 AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
@@ -53,6 +58,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                     "queue_timeout_s": 30,
                     "limits": {"max_tokens": MAX_TOKENS, "max_n": MAX_N, "max_messages": 32,
                                "max_prompt_tokens": MAX_PROMPT_TOKENS, "request_timeout_s": 60,
+                               "max_embedding_inputs": MAX_EMBEDDING_INPUTS,
                                "stream_idle_timeout_s": 30}},
         "auth": {
             "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
@@ -64,7 +70,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                       "requests_per_minute": PACED_REQUESTS_PER_MINUTE},
                      {"name": "agents", "key_env": "SHUNTER_TEST_KEY_AGENTS",
                       "tokens_per_minute": AGENTS_TOKENS_PER_MINUTE},
-                     {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]}],
+                     {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]},
+                     {"name": "org-one", "key_env": "SHUNTER_TEST_KEY_ORG_ONE", "cache_group": "org"},
+                     {"name": "org-two", "key_env": "SHUNTER_TEST_KEY_ORG_TWO", "cache_group": "org"}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }
@@ -82,3 +90,24 @@ def keyed_app(secrets: Path) -> Iterator[str]:
     with local_app(args(key_file), APP, keep_cluster=True) as base:
         wait_ready(base)
         yield base
+
+
+def replica_failures(app: str, model: str = CHAT_MODEL) -> dict[str, int]:
+    """Replica failures recorded per replica, the most any gateway answered with (each gateway keeps its
+    own breakers; a dozen asks reach both)."""
+    seen: dict[str, int] = {}
+    for _ in range(12):
+        resp = httpx.get(f"{app}/admin/models/{model}/replicas", headers={"Authorization": f"Bearer {ADMIN}"},
+                         timeout=TIMEOUT_S)
+        assert resp.status_code == 200, resp.text
+        for row in resp.json()["replicas"]:
+            seen[row["replica"]] = max(seen.get(row["replica"], 0), row["failures"])
+            assert row["breaker"] == "closed", row
+    return seen
+
+
+def served_chat(app: str, key: str) -> None:
+    """A plain chat of `key` is served (another key's requests must not keep it from that)."""
+    resp = httpx.post(f"{app}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S,
+                      json={"model": CHAT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    assert resp.status_code == 200, resp.text

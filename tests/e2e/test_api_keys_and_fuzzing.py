@@ -5,8 +5,11 @@ gives them: environment variables of its process and a key file (not a Serve run
 runtime-env agent writes its env_vars to its log, which the log test here catches).
 
 Fuzzing: schemathesis generates requests from the gateway's own OpenAPI schema (every operation, bodies
-valid and invalid, streaming among them), and hypothesis generates arbitrary JSON and bytes as bodies.
-Every answer must be a non-5xx within its timeout (no hang), and the app must still answer a normal
+valid and invalid, streaming among them), and hypothesis generates arbitrary JSON and bytes as bodies for
+every generation and embedding endpoint (text with lone surrogates, odd code points, conversation items
+vLLM's layers choke on). Every answer must be a non-5xx within its timeout (no hang), a 200 stream must not
+carry the engine's error, no answer may move a breaker (the replica failures the gateways recorded stay
+as they were), another key is served after each endpoint's cases, and the app must still answer a normal
 request afterwards. Case counts are printed at the end (`-s`).
 
 Two profiles: `make test` runs the fast one (derandomized: the same cases every run, a few dozen per
@@ -39,9 +42,12 @@ from .keyed_app import (
     MAX_N,
     MAX_PROMPT_TOKENS,
     MAX_TOKENS,
+    ORG_TWO,
     PACED,
     PACED_REQUESTS_PER_MINUTE,
     TIMEOUT_S,
+    replica_failures,
+    served_chat,
 )
 from .live import CAPITAL_QUESTION, CHAT_MODEL, EMBED_MODEL, assert_capital, ray_session_dir
 
@@ -314,10 +320,14 @@ def test_schemathesis_every_operation_answers_without_5xx_or_hang(app):
     assert ANSWERS["schemathesis 2xx"] > 0 and ANSWERS["schemathesis 200 streams"] > 0, ANSWERS
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+# Text as hostile clients send it: now and then with lone surrogates, control and odd code points.
+ANY_CHARS = st.text(st.characters(blacklist_categories=()), max_size=8)
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30)
+                    | ANY_CHARS,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12) | ANY_CHARS, inner,
+                                                                                max_size=4),
                     max_leaves=12)
-TEXT = st.text(max_size=40)
+TEXT = st.text(max_size=40) | ANY_CHARS
 # Numbers also come as strings and floats, and past the limits: a 200 must still keep every limit.
 def _count(limit: int) -> st.SearchStrategy[Any]:
     within = st.integers(1, limit)
@@ -341,6 +351,25 @@ VALID = {
     "/v1/embeddings": st.fixed_dictionaries(
         {"model": st.just(EMBED_MODEL), "input": TEXT | st.lists(TEXT, min_size=1, max_size=3)},
         optional={"encoding_format": st.sampled_from(["float", "base64"]), "user": TEXT}),
+    "/v1/responses": st.fixed_dictionaries(
+        {"model": st.just(CHAT_MODEL), "input": TEXT | st.lists(st.one_of(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                                   "content": TEXT | st.just([]) | st.lists(st.fixed_dictionaries(
+                                       {"type": st.sampled_from(["input_text", "output_text", "refusal"]),
+                                        "text": TEXT, "refusal": TEXT}), max_size=2)}),
+            st.fixed_dictionaries({"type": st.just("message"), "role": st.just("assistant"), "content": st.just([])}),
+            st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT})),
+            min_size=1, max_size=3)},
+        optional={"stream": st.booleans(), "max_output_tokens": _count(MAX_TOKENS), "instructions": TEXT,
+                  "metadata": st.dictionaries(st.text(max_size=8), TEXT, max_size=2), "temperature": st.floats(0, 2)}),
+    "/v1/messages": st.fixed_dictionaries(
+        {"model": st.just(CHAT_MODEL), "max_tokens": _count(MAX_TOKENS),
+         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                                     "content": TEXT | st.just([]) | st.lists(st.fixed_dictionaries(
+                                                         {"type": st.just("text"), "text": TEXT}), max_size=2)}),
+                              min_size=1, max_size=3)},
+        optional={"stream": st.booleans(), "system": TEXT, "stop_sequences": st.lists(TEXT, max_size=2),
+                  "metadata": st.fixed_dictionaries({"user_id": TEXT}), "temperature": st.floats(0, 1)}),
 }
 
 
@@ -397,15 +426,21 @@ def _near(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
 # One plainly valid body per endpoint, always among the cases: the positive control that bodies reach the engine.
 SERVED = {"/v1/chat/completions": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
           "/v1/completions": {"model": CHAT_MODEL, "prompt": "Hello", "max_tokens": 2},
-          "/v1/embeddings": {"model": EMBED_MODEL, "input": "hello"}}
+          "/v1/embeddings": {"model": EMBED_MODEL, "input": "hello"},
+          "/v1/responses": {"model": CHAT_MODEL, "input": "Hi", "max_output_tokens": 2},
+          "/v1/messages": {"model": CHAT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}}
+# Cases per endpoint in the fast profile: the two agent APIs are covered by schemathesis too.
+EXAMPLES = {"/v1/responses": 30, "/v1/messages": 30}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                                  "/v1/messages"])
 def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
     seen: Counter[int] = Counter()
+    failures_before = replica_failures(app, EMBED_MODEL if path == "/v1/embeddings" else CHAT_MODEL)
 
-    @settings(max_examples=50 * SCALE, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              derandomize=not DEEP)
+    @settings(max_examples=EXAMPLES.get(path, 50) * SCALE, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), derandomize=not DEEP)
     @given(body=_near(VALID[path]) | JSON, raw=st.none() | st.none() | st.binary(max_size=64))
     @example(body=SERVED[path], raw=None)
     def run(body: Any, raw: bytes | None) -> None:
@@ -417,14 +452,20 @@ def test_hypothesis_bodies_never_get_a_5xx_or_hang(app, path):
         _count_answer("hypothesis", resp.status_code, resp.headers.get("content-type", ""))
         assert resp.status_code < 500, (body, raw, resp.status_code, resp.text[:300])
         if resp.status_code >= 400:
-            assert set(resp.json()["error"]) >= {"message", "type", "code"}, resp.text
-        elif path != "/v1/embeddings":
+            shape = {"message", "type"} if path == "/v1/messages" else {"message", "type", "code"}
+            assert set(resp.json()["error"]) >= shape, resp.text
+        elif path in ("/v1/chat/completions", "/v1/completions"):
             problem = limits_broken(body, resp)
             assert problem is None, (problem, body, resp.text[:300])
+        elif path != "/v1/embeddings":
+            assert "server_error" not in resp.text and "api_error" not in resp.text, (body, resp.text[-300:])
 
     run()
     print(f"\n{path}: statuses {dict(seen)}")
     assert sum(n for status, n in seen.items() if status < 300) > 0, seen  # some bodies reached the engine
+    model = EMBED_MODEL if path == "/v1/embeddings" else CHAT_MODEL
+    assert replica_failures(app, model) == failures_before, "a client's body was counted as a replica failure"
+    served_chat(app, ORG_TWO)  # another key is served after it all
 
 
 def test_after_fuzzing_the_app_still_serves_normally(app):
