@@ -20,14 +20,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from shunter.config import ModelConfig, ShunterConfig
-from shunter.config.adapters import ADAPTER_NAME_PATTERN, AdapterConfig
+from shunter.config.adapters import AdapterConfig, adapter_name_problem
 from shunter.errors import ApiError
 from shunter.ops.control import adapter_changes
 from shunter.ops.rollout import Phase
@@ -102,6 +101,8 @@ class LiveAdapters:
             for name, source in adapter_changes(state, model.name, model.adapters_fingerprint()).items():
                 if source is None:
                     table.pop(name, None)
+                elif (problem := adapter_name_problem(name)) is not None:  # saved before names were checked
+                    self._skip(f"adapter {name!r} of model {model.name}", problem, "admin API")
                 else:
                     table[name] = Adapter(model, name, source, "admin")
             by_model[model.name] = table
@@ -165,9 +166,10 @@ class LiveAdapters:
                 if known.get(entry.name) == entry.path:
                     found[entry.name] = entry.path
                     continue
-                rank = AdapterConfig.model_construct(name=entry.name, source=entry.path).rank()
-                if not re.match(ADAPTER_NAME_PATTERN, entry.name) or len(entry.name) > 128:
-                    self._skip(entry.path, "its name cannot be an adapter's")
+                name_problem = adapter_name_problem(entry.name)
+                rank = None if name_problem else AdapterConfig.model_construct(name=entry.name, source=entry.path).rank()
+                if name_problem:
+                    self._skip(entry.path, f"its name cannot be an adapter's: {name_problem}")
                 elif entry.name in others:
                     self._skip(entry.path, f"{entry.name!r} is another model's, alias's or adapter's name")
                 elif rank is not None and any(rank > e.max_lora_rank for e in model.engines()):
@@ -178,10 +180,10 @@ class LiveAdapters:
                     self._skip(entry.path, f"the model serves {MAX_ADAPTERS_PER_MODEL} adapters, the most one may")
         return found
 
-    def _skip(self, path: str, why: str) -> None:
+    def _skip(self, path: str, why: str, where: str = "adapter_dirs") -> None:
         if path not in self._skipped:
             self._skipped.add(path)
-            log.warning("adapter_dirs: %s is not served: %s", path, why)
+            log.warning("%s: %s is not served: %s", where, path, why)
 
     def find(self, name: str) -> Adapter | None:
         """The adapter `name` names: its own name, or `<model>:<adapter>`."""
@@ -198,7 +200,11 @@ class LiveAdapters:
         return sorted(self._by_model.get(model.name, {}).values(), key=lambda a: a.name)
 
     def check_addition(self, model: ModelConfig, name: str) -> None:
-        """Whether `name` may become (or replace the files of) an adapter of `model`: 409 otherwise."""
+        """Whether `name` may become (or replace the files of) an adapter of `model`: 400 for a name no route
+        could carry, 409 for one taken."""
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            raise ApiError(400, problem, param="name", code="invalid_adapter_name")
         if not model.lora:
             raise ApiError(409, f"model {model.name!r} does not run LoRA: set `engine.enable_lora: true` (or list "
                            "`adapters`) in its config to serve adapters", param="model", code="lora_not_enabled")

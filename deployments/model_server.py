@@ -34,6 +34,8 @@ from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
 from shunter.deployments.parsed_request import CONVERSATION_FIELD
 from shunter.deployments.replica_telemetry import EngineMetrics, traced
 from shunter.deployments.token_channel import ReplicaChannel
+from shunter.deployments.wire_formats import stream_error_event
+from shunter.engine import RequestFault
 from shunter.errors import error_body
 from shunter.kv_events import prompt_observer
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
@@ -161,13 +163,14 @@ class ModelServer:
             reply.body["model"] = route.name  # type: ignore[union-attr]
         yield {"status": reply.status, "body": reply.body, "stream": reply.stream is not None}
         if reply.stream is not None:
+            engine_name = name = None
             if renamed:  # an adapter's other version under rollout: the client sees the adapter's name
                 engine_name, name = f'"model":"{route.engine_name}"', f'"model":"{route.name}"'  # type: ignore[union-attr]
-                async for chunk in reply.stream:
-                    yield chunk.replace(engine_name, name) if isinstance(chunk, str) else chunk
-            else:
-                async for chunk in reply.stream:
-                    yield chunk
+            async for chunk in reply.stream:
+                if isinstance(chunk, RequestFault):  # the request broke vLLM's layer mid-stream: its own error
+                    yield stream_error_event(request.endpoint, chunk.message, chunk.status, chunk.code)
+                    return
+                yield chunk.replace(engine_name, name) if engine_name and isinstance(chunk, str) else chunk
 
     def _link_prefix(self, request: ReplicaRequest) -> Any:
         """Precise prefix routing: once the engine has the request's prompt tokens, link the router's keys

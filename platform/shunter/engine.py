@@ -10,6 +10,15 @@ engine; this adapter only translates between Shunter's replica API and vLLM's ha
 - replies go out as `EngineReply`: an OpenAI-shaped error with its status, a JSON body, or a stream of
   SSE text chunks. vLLM's exceptions are mapped with vLLM's own `create_error_response`.
 
+Whose fault a failure is, is decided here, from where the exception arose, never from its message: vLLM
+answers any exception it did not expect with a 500 (an IndexError rendering a Responses item with empty
+content, say), and a 5xx is what the gateway's circuit breakers count against the replica. Every exception
+vLLM's handlers turn into an error reply is noted for the request being served (each handler's
+`create_error_response`, through which all of them pass, notes it), and a 5xx the engine did not cause
+(the engine client is healthy and the exception did not come from it) is the request's own fault: a 400
+`invalid_request` (mid-stream: a `RequestFault` item the replica ends the stream with), since the same
+input fails on every replica.
+
 Imports of vLLM happen inside methods: importing this module must stay cheap (the gateway and the unit
 tests import Shunter without starting an engine).
 """
@@ -21,7 +30,9 @@ import json
 import logging
 import os
 import threading
+import traceback
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -60,13 +71,15 @@ class EngineSpec:
 
     def engine_args(self) -> dict[str, Any]:
         """AsyncEngineArgs fields Shunter sets, plus the validated passthrough."""
+        from shunter.cpu_dtype import engine_dtype  # `auto` on CPU: by this node's ISA (logged)
+
         e = self.engine
         args: dict[str, Any] = {
             "model": self.model_path,
             "served_model_name": [self.served_name],
             "runner": "pooling" if self.task == "embed" else "generate",
             "max_model_len": e.max_model_len,
-            "dtype": e.dtype,
+            "dtype": engine_dtype(e.dtype, self.accelerator, e.quantization),
             "max_num_seqs": e.max_num_seqs,
             "enable_prefix_caching": (
                 e.enable_prefix_caching if e.enable_prefix_caching is not None else self.task == "generate"
@@ -98,11 +111,42 @@ class EngineSpec:
 
 @dataclass
 class EngineReply:
-    """What a replica answers: `stream` is set for SSE replies, `body` otherwise."""
+    """What a replica answers: `stream` is set for SSE replies, `body` otherwise. A stream's items are SSE
+    text, and at most one `RequestFault`, last."""
 
     status: int
     body: dict[str, Any] | None = None
-    stream: AsyncIterator[str] | None = None
+    stream: AsyncIterator[Any] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFault:
+    """A started stream failed because of the request itself (see the module docstring): the replica ends
+    the stream with this client error in the endpoint's own format, never the engine's 5xx event."""
+
+    message: str
+    status: int = 400
+    code: str = "invalid_request"
+
+
+# The exceptions vLLM's serving layer turned into error replies while serving the current request.
+_serving_errors: ContextVar[list[BaseException] | None] = ContextVar("shunter_serving_errors", default=None)
+# Where the engine itself runs (its client, executor, workers): an exception raised through one of these
+# is the engine's failure, not the request's.
+_ENGINE_CODE = tuple(os.path.join(os.sep, "vllm", *part.split("/"), "") for part in (
+    "v1/engine", "v1/executor", "v1/worker", "v1/core", "distributed", "model_executor"))
+
+
+def _noting_errors(create: Any) -> Any:
+    """A handler's `create_error_response`, noting each exception it is given for the request being served."""
+
+    def create_error_response(message: Any, *args: Any, **kwargs: Any) -> Any:
+        notes = _serving_errors.get()
+        if notes is not None and isinstance(message, BaseException):
+            notes.append(message)
+        return create(message, *args, **kwargs)
+
+    return create_error_response
 
 
 def _name_reasoning_content(data: dict[str, Any], part: str) -> bool:
@@ -207,6 +251,17 @@ def _counting_stat_logger(counters: EngineCounters) -> Any:
     return CountingStatLogger
 
 
+# vLLM's serving handlers in its app state, one per API.
+_HANDLERS = ("openai_serving_chat", "openai_serving_completion", "openai_serving_responses",
+             "anthropic_serving_messages", "serving_embedding")
+
+
+def _code_location(path: str) -> str:
+    """A source file, named from its package (`vllm/entrypoints/...py`): no local paths in messages."""
+    marker = f"{os.sep}site-packages{os.sep}"
+    return path.split(marker, 1)[1] if marker in path else os.path.basename(path)
+
+
 class VLLMEngine:
     """One AsyncLLM and vLLM's OpenAI handlers for it."""
 
@@ -286,6 +341,10 @@ class VLLMEngine:
             tasks = await engine.get_supported_tasks()
             state = State()
             await init_app_state(engine, state, namespace, tasks)
+            for name in _HANDLERS:  # every error reply they make is noted for the request's fault
+                handler = getattr(state, name, None)
+                if handler is not None and hasattr(handler, "create_error_response"):
+                    handler.create_error_response = _noting_errors(handler.create_error_response)
         except BaseException:
             if view is not None:
                 view.stop()
@@ -336,7 +395,10 @@ class VLLMEngine:
             return self._wrong_endpoint("the Responses API")
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-        return await self._call(ResponsesRequest, body, handler.create_responses, events=_typed_events,
+        from shunter.wire_conformance import openai_responses_stream  # ends a cut stream as OpenAI does
+
+        return await self._call(ResponsesRequest, body, handler.create_responses,
+                                events=lambda events: openai_responses_stream(_typed_events(events)),
                                 dump={"mode": "json", "by_alias": True})
 
     async def messages(self, body: dict[str, Any]) -> EngineReply:
@@ -346,7 +408,12 @@ class VLLMEngine:
             return self._wrong_endpoint("the Messages API")
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
-        return await self._call(AnthropicMessagesRequest, body, handler.create_messages, dump={"exclude_none": True})
+        from shunter.wire_conformance import anthropic_message  # the null keys Anthropic's Message carries
+
+        reply = await self._call(AnthropicMessagesRequest, body, handler.create_messages, dump={"exclude_none": True})
+        if reply.status == 200 and reply.body is not None:
+            anthropic_message(reply.body)
+        return reply
 
     async def _call(self, request_cls: Any, body: dict[str, Any], handler: Any, events: Any = None,
                     dump: dict[str, Any] | None = None) -> EngineReply:
@@ -359,6 +426,8 @@ class VLLMEngine:
                 await self.adapters.ready(body.get("model"))
             except AdapterUnavailable as refused:
                 return EngineReply(422, refused.body)
+        notes: list[BaseException] = []
+        noting = _serving_errors.set(notes)
         try:
             request = _validator(request_cls).validate_python(body)
             result = await handler(request, None)
@@ -367,11 +436,67 @@ class VLLMEngine:
         except Exception as exc:  # noqa: BLE001 - vLLM maps its own exceptions to statuses
             # Request validators raise VLLMValidationError, which pydantic does not wrap; vLLM's own
             # mapping turns it (and every other client error) into a 4xx with its parameter.
+            notes.append(exc)
             result = create_error_response(exc)
+        finally:
+            _serving_errors.reset(noting)
         reply = self._to_reply(result, dump)
-        if reply.stream is not None and events is not None:
-            reply.stream = events(reply.stream)
+        if reply.status >= 500 and (fault := self.request_fault(notes)) is not None:
+            return EngineReply(fault.status, error_body(fault.message, fault.status, code=fault.code))
+        if reply.stream is not None:
+            if events is not None:
+                reply.stream = events(reply.stream)
+            reply.stream = self._attributed(reply.stream)
         return reply
+
+    async def _attributed(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A started stream whose failures are attributed: vLLM reports an exception mid-stream as a 5xx
+        error event (or lets it escape); one the request caused ends the stream with a `RequestFault`
+        instead. Each step runs with the stream's own notes (it is iterated outside `_call`'s task)."""
+        notes: list[BaseException] = []
+        while True:
+            noting = _serving_errors.set(notes)
+            try:
+                chunk = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                fault = self.request_fault([exc])
+                if fault is None:
+                    raise
+                yield fault
+                return
+            finally:
+                _serving_errors.reset(noting)
+            if notes:  # this step's chunk is vLLM's error event for what it noted
+                fault = self.request_fault(notes)
+                if fault is not None:
+                    yield fault
+                    return
+                notes.clear()
+            yield chunk
+
+    def request_fault(self, errors: list[BaseException]) -> RequestFault | None:
+        """The client's error for the first exception vLLM would answer with a 5xx though the engine did not
+        cause it, or None (no such exception, or the engine's own failure: the replica's 5xx stands)."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMServerError
+
+        for exc in errors:
+            if int(create_error_response(exc).error.code) < 500:
+                continue  # vLLM already answers it as the client's error
+            if self._engine.errored or isinstance(exc, (VLLMServerError, MemoryError)):
+                return None
+            frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
+            if any(part in path for path in frames for part in _ENGINE_CODE):
+                return None
+            where = _code_location(frames[-1]) if frames else "vLLM's serving layer"
+            log.warning("model %s: a request made vLLM's serving layer raise %s (in %s): answered as the "
+                        "client's 400, not the replica's failure", self.spec.served_name, type(exc).__name__, where)
+            return RequestFault(f"this request could not be processed: vLLM's serving layer raised "
+                                f"{type(exc).__name__} (in {where}) on it; the same request fails on every "
+                                "replica, so check its fields (for example an empty `content`)")
+        return None
 
     def _to_reply(self, result: Any, dump: dict[str, Any] | None = None) -> EngineReply:
         """`dump`: model_dump's options for a whole reply (chat's and completions': every field, nulls too)."""

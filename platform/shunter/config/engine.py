@@ -43,7 +43,10 @@ class EngineConfig(StrictModel):
         description="Context length in tokens (prompt + completion). null = the model's own maximum.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="bfloat16", description="Weight and activation dtype. bfloat16 is the fast path on CPU."
+        default="auto",
+        description="Weight and activation dtype. auto: on CPU, by the instruction set of the node each replica "
+        "runs on: bfloat16 where it has AVX-512 BF16 or AMX, float32 elsewhere (bf16 is emulated there, about 3x "
+        "slower); on GPU, the model's own dtype (vLLM's auto). Each replica logs which dtype it chose and why.",
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Most sequences the engine batches at once.")
     enable_prefix_caching: bool | None = Field(
