@@ -385,3 +385,23 @@ def test_a_scale_out_run_reports_the_requests_sent_once_the_added_replica_was_up
     table = scale_out_table([{"policy": "precise", "after_scale_out": after},
                              {"policy": "ray_prefix_cache_affinity", "after_scale_out": {"second_replica_at_s": None}}])
     assert "| precise | 30 s | 4 | 350 ms |" in table and "| ray_prefix_cache_affinity | never |" in table
+
+
+def test_what_isolation_costs_is_reported_per_policy_from_one_run():
+    from shunter.cli.bench_routing_report import isolation_section
+
+    rows = [{**_row("precise per-key", 0.6, 0.5), "tenants": {"keys": 4, "cache_group": None}},
+            {**_row("precise one-group", 0.2, 0.8), "tenants": {"keys": 4, "cache_group": "org"}}]
+    text = isolation_section({"replicas": 2, "model": "m", "workload_options": ["--seed", "0"], "rows": rows})
+    assert text.startswith("## 9. ") and "--tenants 4" in text
+    assert "precise: TTFT p50 3.00x, hit rate 50.0% against 80.0%" in text
+
+
+def test_each_session_of_a_tenant_run_sends_its_users_key():
+    from shunter.bench.loadgen import LoadConfig, _tenant
+    from shunter.bench.workloads import Session
+
+    cfg = LoadConfig(base_url="http://x/v1", model="m", max_requests=1, tenant_keys=("k0", "k1"))
+    assert _tenant(cfg, Session(7, [], meta={"user": 3})) == {"Authorization": "Bearer k1"}
+    assert _tenant(cfg, Session(4, [])) == {"Authorization": "Bearer k0"}, "no user: by its index"
+    assert _tenant(LoadConfig(base_url="http://x/v1", model="m", max_requests=1), Session(1, [])) is None

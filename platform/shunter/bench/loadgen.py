@@ -53,6 +53,9 @@ class LoadConfig:
     # sending prompts the engines already cached.
     one_pass: bool = False
     burst: int = 1  # rate mode: sessions started together at each arrival (arrivals come at rate / burst)
+    # Several tenants' keys: a session sends with key `tenant_keys[u % len]`, u its user within its group
+    # (shared-prefix) or else its index, in place of `api_key` (what prompt-cache isolation costs).
+    tenant_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.endpoint not in _PATHS:
@@ -220,6 +223,14 @@ def _read_event(endpoint: str, event: dict[str, Any], record: RequestRecord) -> 
     return None, kind in ("response.completed", "response.incomplete", "message_stop")
 
 
+def _tenant(cfg: LoadConfig, session: Session) -> dict[str, str] | None:
+    """The Authorization header of the session's tenant, when the run has several (else the client's own)."""
+    if not cfg.tenant_keys:
+        return None
+    who = session.meta.get("user", session.index)
+    return {"Authorization": f"Bearer {cfg.tenant_keys[int(who) % len(cfg.tenant_keys)]}"}
+
+
 async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Session,
                        history: list[tuple[Turn, str]], turn: Turn, index: int,
                        start: float) -> tuple[RequestRecord, str]:
@@ -234,7 +245,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
         body = _payload(cfg, session, history, turn)
         if cfg.on_send is not None:
             cfg.on_send(index, body)
-        async with client.stream("POST", path, json=body) as resp:
+        async with client.stream("POST", path, json=body, headers=_tenant(cfg, session)) as resp:
             record.status = resp.status_code
             record.head_s = time.perf_counter() - sent
             record.replica = resp.headers.get("x-shunter-replica")

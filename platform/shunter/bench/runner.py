@@ -141,8 +141,9 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_source(spec, progress=False))
 
 
-def run(args: argparse.Namespace, on_send: Any = None) -> dict[str, Any]:
-    """One measured run; `on_send(index, body)` sees each request just before it is sent."""
+def run(args: argparse.Namespace, on_send: Any = None, tenant_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One measured run; `on_send(index, body)` sees each request just before it is sent; `tenant_keys`:
+    the sessions' keys, spread over their users (shunter.bench.loadgen.LoadConfig)."""
     from shunter.bench.loadgen import LoadConfig, run_load
     from shunter.bench.stats import summarize
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace, on_send: Any = None) -> dict[str, Any]:
     cfg = LoadConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
                      rate=args.rate, max_requests=max_requests, duration_s=args.duration,
                      ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, progress=not args.quiet,
-                     on_send=on_send, one_pass=one_pass, burst=args.burst)
+                     on_send=on_send, one_pass=one_pass, burst=args.burst, tenant_keys=tenant_keys)
     records, wall = asyncio.run(run_load(sessions, cfg))
     load = f"c{concurrency}" if concurrency else f"rate{args.rate:g}" + (f"x{args.burst}" if args.burst > 1 else "")
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}

@@ -21,6 +21,11 @@ What the runs report (tables, the goals, docs/benchmarks.md's sections) is `shun
 Policies: Shunter's `prefix_aware` with the engines' KV events (`precise`) and with its own record of what
 it sent (`approximate`), `least_connections`, `power_of_two` (Ray Serve's default) and Ray's own
 `PrefixCacheAffinityRouter` (policy `custom`, its default settings).
+
+What tenant isolation costs (`--tenants N`): the app gets N API keys and each session sends with its
+user's (user u of a group: key u mod N), so each group's system prompt is asked for by N tenants. Each
+policy then runs twice in the same run: `per-key` (the default: every key's prompt cache apart, so each
+tenant prefills the prompt once) and `one-group` (all N keys in one `cache_group`: the prompt is shared).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.bench_routing_report import (
+    isolation_section,
     kv_pressure_section,
     pressure_line,
     routing_section,
@@ -237,13 +243,28 @@ def kv_capacity(handle: Any, stats: dict[str, dict[str, Any]]) -> tuple[int, int
     return min(blocks), min((b for b in sizes if b), default=128)
 
 
+def tenant_keys(tenants: int) -> tuple[tuple[str, ...], Any]:
+    """`tenants` new API keys, and the folder holding them as key files (a context that removes it)."""
+    import tempfile
+
+    from shunter.auth import new_key
+
+    keys = tuple(new_key() for _ in range(tenants))
+    folder = tempfile.TemporaryDirectory(prefix="shunter-bench-keys-")
+    for i, key in enumerate(keys):
+        (Path(folder.name) / f"tenant-{i}").write_text(key + "\n")
+    return keys, folder
+
+
 def compare_routing(config: Path, model_name: str, policies: list[str], replicas: int = 2,
                     workload: str = "shared-prefix", kv_blocks: int = KV_PRESSURE_BLOCKS,
                     gateways: int | None = None, rate: float | None = None,
-                    concurrency: int | None = None, burst: int = 1, scale_out: bool = False) -> dict[str, Any]:
+                    concurrency: int | None = None, burst: int = 1, scale_out: bool = False,
+                    tenants: int = 0) -> dict[str, Any]:
     """`gateways`: gateway replicas, each with its own router (default: GATEWAYS[workload]); `rate` /
     `concurrency`: the workload's arrivals instead of its own (`with_load`); `scale_out`: start on one
-    replica and let the autoscaler add the rest (SCALE_OUT_AUTOSCALING, `replicas` at most)."""
+    replica and let the autoscaler add the rest (SCALE_OUT_AUTOSCALING, `replicas` at most); `tenants`:
+    that many API keys, each policy run with per-key prompt caches and with one cache group (module docstring)."""
     from ray import serve
     from transformers import AutoTokenizer
 
@@ -266,15 +287,21 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
     tokenizer = AutoTokenizer.from_pretrained(path)  # the oracle tokenizes as the engine does
     rows = []
     started = time.perf_counter()
-    with local_serve() as local:
+    keys, key_files = tenant_keys(tenants)
+    runs = [(name, group) for name in policies for group in ((None, "org") if tenants else (None,))]
+    with local_serve() as local, key_files:
         base = local.base_url
-        for name in policies:
-            spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[name],
+        for policy, group in runs:
+            name = policy if not tenants else f"{policy} {'one-group' if group else 'per-key'}"
+            spec = {**model.model_dump(mode="json"), "replicas": replicas, "routing": POLICIES[policy],
                     "engine": engine}
             if scale_out:
                 spec.update(replicas=1, autoscaling={**SCALE_OUT_AUTOSCALING, "max_replicas": replicas})
             base_cfg = cfg.model_dump(mode="json")
-            app_cfg = ShunterConfig.model_validate({**base_cfg, "models": [spec],
+            auth = base_cfg["auth"] if not tenants else {"keys": [
+                {"name": f"tenant-{i}", "key_file": str(Path(key_files.name) / f"tenant-{i}"), "cache_group": group}
+                for i in range(tenants)]}
+            app_cfg = ShunterConfig.model_validate({**base_cfg, "models": [spec], "auth": auth,
                                                     "gateway": {**base_cfg["gateway"], "replicas": gateways}})
             fleet = f"1 replica (autoscaled to {replicas})" if scale_out else f"{replicas} fresh replicas"
             print(f"\n== {name}: deploying {fleet} behind {gateways} gateway(s) "
@@ -291,7 +318,8 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             watch = ScaleWatch(APP, deployment_name(app_cfg.models[0]), replicas) if scale_out else None
             with watch or contextlib.nullcontext():
                 result = run(run_parser().parse_args(["--base-url", f"{base}/v1", "--model", model.name, "--quiet",
-                                                      "--label", name, *options]), on_send=recorder)
+                                                      "--label", name, *options]), on_send=recorder,
+                             tenant_keys=keys)
             scaled = None
             if watch is not None and watch.reached_at is not None:
                 # on the load generator's clock: its first request's start_s after its start
@@ -316,7 +344,8 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
                     print(f"oracle left out: {exc}", flush=True)
             rows.append({
                 "policy": name,
-                "routing": POLICIES[name],
+                "routing": POLICIES[policy],
+                "tenants": {"keys": tenants, "cache_group": group} if tenants else None,
                 "summary": result["summary"],
                 "workload": result["workload"],
                 "run_s": ran,
@@ -364,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="kv-pressure: start each policy on one replica; the queue-depth autoscaler adds the "
                         "second under load (192 sessions at 0.9 a second unless --rate/--concurrency)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="what tenant isolation costs: N API keys, each policy run with per-key prompt caches "
+                        "and with the N keys in one cache group (try --policies precise --tenants 4)")
     parser.add_argument("--out", type=Path,
                         help="result JSON (default results/routing.json, results/routing-kv-pressure.json)")
     args = parser.parse_args(argv)
@@ -384,12 +416,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--burst is at least 1, and more only for kv-pressure's Poisson arrivals")
     if args.scale_out and args.workload != "kv-pressure":
         parser.error("--scale-out is a kv-pressure run")
+    if args.tenants == 1 or args.tenants < 0:
+        parser.error("--tenants is at least 2 (or 0: no keys)")
     result = compare_routing(args.config, args.model, policies, workload=args.workload, kv_blocks=args.kv_blocks,
                              gateways=args.gateways, rate=args.rate, concurrency=args.concurrency,
-                             burst=args.burst, scale_out=args.scale_out)
+                             burst=args.burst, scale_out=args.scale_out, tenants=args.tenants)
     pressure = args.workload == "kv-pressure"
-    print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
-    out = args.out or Path("results/routing-kv-pressure-scale-out.json" if args.scale_out else
+    if args.tenants:
+        print("\n" + isolation_section(result))
+    else:
+        print("\n" + (kv_pressure_section(result) if pressure else routing_section(result)))
+    out = args.out or Path("results/routing-tenants.json" if args.tenants else
+                           "results/routing-kv-pressure-scale-out.json" if args.scale_out else
                            "results/routing-kv-pressure.json" if pressure else "results/routing.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "routing-kv-pressure" if pressure else "routing", **result,

@@ -120,6 +120,36 @@ TTFT p50 of each policy against `{base}`: {_against_precise(result)} (higher is 
 """
 
 
+def isolation_section(result: dict[str, Any], number: int = 9) -> str:
+    """A section of docs/benchmarks.md: what per-tenant prompt caches cost (`--tenants N`), each policy's
+    per-key run against its one-group run of the same run."""
+    import shlex
+
+    rows = {row["policy"]: row for row in result["rows"]}
+    ratios = []
+    for name, row in rows.items():
+        if not name.endswith(" per-key"):
+            continue
+        shared = rows.get(name.replace(" per-key", " one-group"))
+        mine, theirs = _ttft(row), _ttft(shared) if shared else None
+        if mine is not None and theirs:
+            ratios.append(f"{name.removesuffix(' per-key')}: TTFT p50 {mine / theirs:.2f}x, hit rate "
+                          f"{row['engine_prefix_cache']['hit_rate']:.1%} against "
+                          f"{shared['engine_prefix_cache']['hit_rate']:.1%}")  # type: ignore[index]
+    tenants = next((r["tenants"]["keys"] for r in result["rows"] if r.get("tenants")), "?")
+    return f"""## {number}. What tenant isolation costs
+
+`shunter bench routing --tenants {tenants}`: {result['replicas']} replicas of `{result['model']}`, {tenants} API keys,
+user u of each group sending with key u mod {tenants}, then `shunter bench run {shlex.join(result['workload_options'])}`.
+`per-key` is the default (each key's prompt cache apart: a group's system prompt is prefilled once per
+tenant); `one-group` puts the keys in one `cache_group` (the prompt is shared, as before isolation).
+
+{routing_table(result['rows'])}
+
+Per-key against one group, same run: {'; '.join(ratios) or 'n/a'} (higher TTFT is the cost).
+"""
+
+
 def kv_pressure_section(result: dict[str, Any], number: int = 7) -> str:
     """A section of docs/benchmarks.md: the kv-pressure comparison (`--workload kv-pressure`)."""
     import shlex
