@@ -131,7 +131,7 @@ def _cached(resp: httpx.Response) -> int:
 
 def test_one_keys_cached_prompt_is_invisible_to_another_but_shared_within_its_cache_group(app):
     # About 180 tokens: one whole 128-token KV block the engine can cache, within the app's prompt limit.
-    words = " ".join(f"w{i}" for i in range(75))
+    words = " ".join(f"w{i}" for i in range(45))
     body = {"model": CHAT_MODEL, "max_tokens": 1, "temperature": 0,
             "messages": [{"role": "system", "content": f"{uuid.uuid4().hex} {words}"}, USER]}
     first = post(app, "/v1/chat/completions", body, key=ORG_ONE)
