@@ -25,6 +25,7 @@ from shunter.deployments.replica_call import (
 )
 from shunter.deployments.request_end import RequestEnd, cancel
 from shunter.deployments.wire_formats import stream_error_event
+from shunter.engine import REQUEST_FAULT_CODE
 from shunter.replica_protocol import Moved
 from shunter.routing.state import DeploymentRouting
 
@@ -135,12 +136,15 @@ def _watch_end(stream: Any, inbox: asyncio.Queue) -> asyncio.Future:
 
 
 def engine_failure(error: dict[str, Any] | None) -> str | None:
-    """The message of an in-band stream error that is the engine's failure (a 5xx code), else None (no
-    error, or a client error such as a bad tool-call argument found mid-stream)."""
+    """The message of an in-band stream error that is the engine's failure (a 5xx code), else None: no
+    error, or a client error (a 4xx code, such as a bad tool-call argument found mid-stream; OpenAI's and
+    Anthropic's `invalid_request_error` type; the code of a request's own fault the replica found,
+    `shunter.engine.RequestFault`)."""
     if error is None:
         return None
     code = error.get("code")
-    if isinstance(code, int) and code < 500:
+    if (isinstance(code, int) and code < 500) or code == REQUEST_FAULT_CODE \
+            or error.get("type") == "invalid_request_error":
         return None
     return str(error.get("message") or code or "engine error")[:300]
 

@@ -88,6 +88,10 @@ def read_event(endpoint: str, text: str) -> StreamEvent:
         error = data.get("error") if endpoint == "messages" else data
         error = error if isinstance(error, dict) else {}
         code = error.get("code")
+        if endpoint == "messages":  # Anthropic's errors carry a type, no code
+            kind = error.get("type")
+            return StreamEvent(error={"message": error.get("message"), "type": kind,
+                                      "code": 400 if kind == "invalid_request_error" else 500})
         return StreamEvent(error={"message": error.get("message"), "code": code if code is not None else 500})
     if _is_delta(endpoint, kind):  # an event without an `event:` line
         return _TOKEN

@@ -41,6 +41,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shunter.config import EngineConfig, ServingConfig
 from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
+from shunter.engine_usage import Tally, counting
 from shunter.errors import error_body, error_type, validation_error_body
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,11 @@ class EngineReply:
     stream: AsyncIterator[Any] | None = None
 
 
+# The error code of a request's own fault (a whole reply's, or the event ending its stream): the gateway's
+# relay reads it as the client's error, never the replica's failure.
+REQUEST_FAULT_CODE = "invalid_request"
+
+
 @dataclass(frozen=True)
 class RequestFault:
     """A started stream failed because of the request itself (see the module docstring): the replica ends
@@ -126,7 +132,7 @@ class RequestFault:
 
     message: str
     status: int = 400
-    code: str = "invalid_request"
+    code: str = REQUEST_FAULT_CODE
 
 
 # The exceptions vLLM's serving layer turned into error replies while serving the current request.
@@ -329,6 +335,9 @@ class VLLMEngine:
             stat_loggers=[_counting_stat_logger(counters)],
         )
         view = None
+        # Whole replies count what they have produced so far (shunter.engine_usage): a client that leaves is
+        # charged that much.
+        engine.generate, engine.encode = counting(engine.generate), counting(engine.encode)
         try:
             if endpoints is not None:
                 from shunter.kv_events import EnginePrefixView, observing_prompts
@@ -487,12 +496,16 @@ class VLLMEngine:
                 continue  # vLLM already answers it as the client's error
             if self._engine.errored or isinstance(exc, (VLLMServerError, MemoryError)):
                 return None
-            frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
+            stack = list(traceback.walk_tb(exc.__traceback__))
+            frames = [frame.f_code.co_filename for frame, _ in stack]
             if any(part in path for path in frames for part in _ENGINE_CODE):
                 return None
             where = _code_location(frames[-1]) if frames else "vLLM's serving layer"
-            log.warning("model %s: a request made vLLM's serving layer raise %s (in %s): answered as the "
-                        "client's 400, not the replica's failure", self.spec.served_name, type(exc).__name__, where)
+            # Where, line by line, but never the exception's text: it may quote the prompt.
+            lines = " < ".join(f"{_code_location(f.f_code.co_filename)}:{line} {f.f_code.co_name}"
+                               for f, line in reversed(stack[-4:]))
+            log.warning("model %s: a request made vLLM's serving layer raise %s (%s): answered as the client's "
+                        "400, not the replica's failure", self.spec.served_name, type(exc).__name__, lines)
             return RequestFault(f"this request could not be processed: vLLM's serving layer raised "
                                 f"{type(exc).__name__} (in {where}) on it; the same request fails on every "
                                 "replica, so check its fields (for example an empty `content`)")
@@ -543,6 +556,10 @@ class VLLMEngine:
         """Grows while the engine works (its scheduler's updates): a replica's heartbeat reports real
         progress, never just a live process whose engine hangs."""
         return self.counters.steps
+
+    def produced(self, tally: Tally) -> tuple[int, int]:
+        """(prompt, completion) tokens the engine has produced so far for the requests in `tally`."""
+        return tally.read(self._engine.output_processor)
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""

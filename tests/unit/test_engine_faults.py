@@ -119,3 +119,21 @@ def test_an_engine_error_event_mid_stream_passes_as_the_replicas():
 
     assert _collect(engine()._attributed(vllm_stream())) == ['data: {"error": {"code": 500}}\n\n', "data: [DONE]\n\n"]
 
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion", "responses", "messages"])
+def test_the_event_a_replica_ends_a_faulted_stream_with_is_no_engine_failure_to_the_relay(endpoint):
+    """What the gateway's relay reads from the replica's stream-ending event (a breaker failure or not)."""
+    import json
+
+    from shunter.deployments.relay import engine_failure
+    from shunter.deployments.wire_formats import read_event, stream_error_event
+    from shunter.engine import REQUEST_FAULT_CODE
+
+    def in_band(text: str) -> dict[str, Any] | None:
+        if endpoint in ("chat", "completion"):
+            return json.loads(text[len("data: "):])["error"]
+        return read_event(endpoint, text).error
+
+    assert engine_failure(in_band(stream_error_event(endpoint, "bad input", 400, REQUEST_FAULT_CODE))) is None
+    assert engine_failure(in_band(stream_error_event(endpoint, "engine died", 500, "engine_error"))) is not None
