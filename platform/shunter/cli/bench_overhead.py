@@ -272,6 +272,7 @@ def suite_main(argv: list[str] | None = None) -> int:
     routing = compare_routing(args.config, args.model, list(POLICIES))
     kv_pressure = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure")
     kv_scale_out = compare_routing(args.config, args.model, list(POLICIES), workload="kv-pressure", scale_out=True)
+    tenants = compare_routing(args.config, args.model, ["precise"], tenants=2)
     from shunter.cli.bench_saturation import measure as saturation
 
     result["saturation"] = [*saturation(args.config, args.model, 256, 1, 32, with_vllm_server=True),
@@ -291,6 +292,8 @@ def suite_main(argv: list[str] | None = None) -> int:
     (args.results / "routing-kv-pressure-scale-out.json").write_text(
         json.dumps({"benchmark": "routing", **kv_scale_out, **env}, indent=1))
     result["kv_scale_out"] = kv_scale_out
+    (args.results / "routing-tenants.json").write_text(json.dumps({"benchmark": "routing", **tenants, **env}, indent=1))
+    result["tenants"] = tenants
     (args.results / "lora.json").write_text(json.dumps({"benchmark": "lora", **lora, **env}, indent=1))
     result["lora"] = lora
     img = args.docs / "img"
@@ -305,7 +308,7 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
     from shunter.cli.bench_lora import lora_section
-    from shunter.cli.bench_routing_report import kv_pressure_section, routing_section
+    from shunter.cli.bench_routing_report import isolation_section, kv_pressure_section, routing_section
     from shunter.cli.bench_saturation import table as saturation_table
 
     machine = env["machine"]
@@ -372,7 +375,9 @@ vLLM's server queues everything. Wall time and TTFT are over the requests each s
 
 {kv_pressure_section(result["kv_pressure"], 7)}
 
-{kv_pressure_section(result["kv_scale_out"], 8)}"""
+{kv_pressure_section(result["kv_scale_out"], 8)}
+
+{isolation_section(result["tenants"], 9)}"""
 
 
 def _saturation_ratios(rows: list[dict[str, Any]]) -> str:

@@ -336,7 +336,7 @@ def compare_routing(config: Path, model_name: str, policies: list[str], replicas
             hits = {r: after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"] for r in ids}
             total_q = sum(queries.values())
             oracle = None
-            if capacity:
+            if capacity and not (tenants and group is None):  # the oracle knows no tenants: shared caches only
                 try:
                     oracle = oracle_for_run(bodies, result["requests"], tokenizer, replicas, capacity[0],
                                             capacity[1], app_cfg.models[0].routing.max_load_gap)
