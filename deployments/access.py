@@ -57,7 +57,8 @@ class Ticket:
 
     def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int) -> None:
         """At the tokens really produced. A stream cut short (the client hung up, an error mid-way) has
-        counted the tokens relayed so far; one cut before the engine reported anything is charged its
+        counted the tokens relayed so far, a whole reply whose client left those its replica last reported
+        (shunter.deployments.request_end); one cut before the engine reported anything is charged its
         estimated prompt, which the engine had started on."""
         if self._settled:
             return

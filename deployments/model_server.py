@@ -10,8 +10,10 @@ It yields, in order:
    waits for this, so a model with no replica able to take work gets a 503 instead of a hang, and learns
    which replica serves it, for its circuit breakers and failover);
 2. the reply head `{status, body, stream}`: the gateway decides the HTTP status from it before any byte
-   goes to the client (a non-streaming reply arrives whole, here, after `Working()` heartbeats every few
-   seconds while it is computed);
+   goes to the client (a non-streaming reply arrives whole, here, after `Working` heartbeats while it is
+   computed: each says what the reply has produced so far, counted by shunter.engine_usage, so a client
+   that leaves first is charged that; the gateway then cancels this call, which cancels the work, and vLLM
+   aborts its engine requests);
 3. if the reply streams, its SSE text chunks; after the first, when the request names the gateway's
    token channel and that gateway is listening, `Moved` and the rest over the channel
    (`shunter.deployments.token_channel`), the Ray call ending with the stream.
@@ -36,6 +38,7 @@ from shunter.deployments.replica_telemetry import EngineMetrics, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.deployments.wire_formats import stream_error_event
 from shunter.engine import RequestFault
+from shunter.engine_usage import Tally, request_tally
 from shunter.errors import error_body
 from shunter.kv_events import prompt_observer
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
@@ -44,6 +47,8 @@ from shunter.routing.prefix import prefix_key, render_prompt
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
+
+_PROGRESS_S = 1.0  # how often a whole reply's heartbeat may report its tokens (when they changed)
 
 
 class ModelServer:
@@ -141,19 +146,39 @@ class ModelServer:
             return
         # A whole (not streamed) reply may take longer than the gateway's `replica_timeout_s`: while its
         # engine makes progress the replica says it is still working, so only a hang (no progress) is
-        # silence, which the gateway counts as the replica's failure.
+        # silence, which the gateway counts as the replica's failure. Each heartbeat carries the tokens
+        # produced so far (at most a second old): a client that leaves is charged them. Cancelled (the
+        # client left), the work is cancelled and vLLM aborts its engine requests.
         linking = self._link_prefix(request)  # the task takes the observer with the context it copies
+        produced = getattr(self.engine, "produced", None)
+        tally = Tally() if produced is not None and body.get("stream") is not True else None
+        counting = request_tally.set(tally)  # so does the tally
         work = asyncio.ensure_future(getattr(self.engine, request.endpoint)(body))
+        request_tally.reset(counting)
         if linking is not None:
             prompt_observer.reset(linking)
         progress = getattr(self.engine, "progress", None)
-        seen = progress() if progress else None
+        seen, reported, said_at = progress() if progress else None, None, time.monotonic()
+        tick = min(self._heartbeat_s, _PROGRESS_S) if tally is not None else self._heartbeat_s
         try:
-            while not (await asyncio.wait({work}, timeout=self._heartbeat_s))[0]:
+            while not (await asyncio.wait({work}, timeout=tick))[0]:
                 now = progress() if progress else None
-                if now != seen or progress is None:
-                    seen = now
+                if now == seen and progress is not None:
+                    continue  # no progress: silence
+                seen = now
+                if tally is None:
                     yield Working()
+                    continue
+                try:
+                    counts = produced(tally)  # type: ignore[misc]
+                except Exception:  # noqa: BLE001 - counting never fails a request: it stops counting
+                    log.warning("model %s: could not read a request's tokens so far", self.model.name, exc_info=True)
+                    tally = None
+                    yield Working()
+                    continue
+                if counts != reported or time.monotonic() - said_at >= self._heartbeat_s - tick:
+                    reported, said_at = counts, time.monotonic()
+                    yield Working(*counts)
         finally:
             if not work.done():
                 work.cancel()

@@ -4,10 +4,16 @@ before that byte, and turn every way of not starting into the client's response.
 
 The replica protocol (`shunter.replica_protocol`): the replica answers `Accepted` as soon as it takes
 the request, then the reply head (status, body or stream), then, for a stream, SSE chunks; `Working`
-items keep a long prefill from looking like silence. Waiting for each item is bounded: by
-`gateway.queue_timeout_s` (or a scaled-to-zero model's cold start) for `Accepted`, by the model's
-`routing.replica_timeout_s` of silence, by the drain timeout once the replica has left, and by the
+items keep a long prefill from looking like silence and say what a whole reply has produced so far (the
+request's telemetry keeps the latest: a client that leaves is charged that). Waiting for each item is
+bounded: by `gateway.queue_timeout_s` (or a scaled-to-zero model's cold start) for `Accepted`, by the
+model's `routing.replica_timeout_s` of silence, by the drain timeout once the replica has left, and by the
 request's own deadline and idle limit.
+
+A client that leaves while its whole reply is computed: Serve's HTTP server sees the connection close
+(`http.disconnect`) and cancels the route's task (shunter.ingress: HAProxy must pass the close on); the
+cancellation reaches the wait here, which cancels the replica's call, and the replica cancels its work,
+whose engine requests vLLM aborts. The request then settles as 499 (shunter.deployments.request_end).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +173,7 @@ class ReplicaCalls:
             if channels is not None:
                 channels.connect(accepted.channel)
             try:
-                head = await next_item(stream, model, routing, replica)
+                head = await next_item(stream, model, routing, replica, on_working=tel.working)
                 first = None
                 if head["stream"]:
                     try:
@@ -210,17 +217,21 @@ def not_taken(model: ModelConfig, waited_s: float, cold_start: bool) -> JSONResp
 
 
 async def next_item(stream: Any, model: ModelConfig, routing: DeploymentRouting, replica: str,
-                    deadline: float = math.inf, idle_s: float = math.inf) -> Any:
+                    deadline: float = math.inf, idle_s: float = math.inf,
+                    on_working: Callable[[Working], None] | None = None) -> Any:
     """The replica's next item. Raises asyncio.TimeoutError after `replica_timeout_s` of silence (the
     replica's failure), StreamIdle after `idle_s` when that is shorter (the client's limit),
     RequestDeadline at `deadline`, and DrainTimeout once the replica has left the running set for longer
-    than the drain timeout (checked every second, so a replica that leaves mid-wait is noticed)."""
+    than the drain timeout (checked every second, so a replica that leaves mid-wait is noticed).
+    `on_working` sees each `Working` heartbeat on the way (what a whole reply has produced so far)."""
     silence = model.routing.replica_timeout_s
     silent_until = time.monotonic() + min(silence, idle_s)
     pending = asyncio.ensure_future(stream.__anext__())
     try:
         while True:
             if pending.done() and isinstance(pending.result(), Working):  # alive: the silence starts over
+                if on_working is not None:
+                    on_working(pending.result())
                 silent_until = time.monotonic() + min(silence, idle_s)
                 pending = asyncio.ensure_future(stream.__anext__())
             now = time.monotonic()

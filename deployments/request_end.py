@@ -9,6 +9,12 @@ the client saw. Whole replies settle when their response is built; streams when 
 broken, cut by a limit, drained, or the client gone); a request cancelled or failing anywhere in between
 settles in the door's `finally`; a stream whose response never started (the client left first, so the
 relay never ran) settles when it is dropped. The endings are enumerated in tests/unit/test_request_end.py.
+
+A client that leaves (499): its replica's work is cancelled (vLLM aborts the engine requests at once), its
+slot and admission place are given back, and its quota is settled at what the engine had produced: a
+stream at the running usage of its last chunk, a whole reply at its replica's last `Working` heartbeat
+(shunter.engine_usage counts it on the replica, at most a second behind), or, when the engine had reported
+nothing yet, the prompt's estimate (shunter.deployments.access.Ticket).
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ class RequestEnd:
         if self.settled:
             return
         self.settled = True
+        if str(status) == str(CLIENT_GONE):
+            self.tel.client_left()  # charged what the engine had produced, never the whole reservation
         for step, action in (("replica", lambda: self._release_replica(finished, ok, aborted)),
                              ("admission", self._release_admission)):
             try:

@@ -9,7 +9,8 @@ were relayed, and how it ended; it records:
 - TTFT (arrival to first token chunk, or to the whole reply when not streamed), inter-token gaps and
   end-to-end latency, as histograms with LLM-sized buckets (`shunter.metric_catalog`);
 - prompt and completion tokens from the engine's `usage` (the gateway asks the engine for a usage
-  chunk on every stream and drops it again when the client did not ask for one);
+  chunk on every stream and drops it again when the client did not ask for one); for a whole reply
+  whose client left first, what its replica's last heartbeat said it had produced;
 - per-process gauges of requests in flight per version and waiting for a replica per model;
 - for a request to a LoRA adapter, `shunter_adapter_requests_total{model,adapter,status}` and its tokens
   (the span carries `shunter.adapter`).
@@ -35,7 +36,7 @@ from shunter import tracing
 from shunter.deployments.wire_formats import EVENT_APIS, cached_prompt_tokens, read_event, whole_usage
 from shunter.metric_catalog import build
 from shunter.ray_metrics import LazyMetrics
-from shunter.replica_protocol import AdapterRoute
+from shunter.replica_protocol import AdapterRoute, Working
 
 log = logging.getLogger("ray.serve")
 
@@ -110,6 +111,9 @@ class RequestTelemetry:
         # [DONE]): its `error` object, for the relay to count as the replica's failure.
         self.in_band_error: dict[str, Any] | None = None
         self._final_usage = False  # a typed-event stream's usage event has arrived
+        # What a whole reply had produced in the engine when its replica last said so (its `Working`
+        # heartbeats): (prompt, completion) tokens. A request whose client left is settled at these.
+        self._in_engine = (0, 0)
         self.adapter: AdapterRoute | None = None  # the LoRA adapter asked for, and its version
 
     def use_adapter(self, route: AdapterRoute) -> None:
@@ -137,6 +141,7 @@ class RequestTelemetry:
     def routing(self, version: str, attempt: int) -> dict[str, str]:
         """A routing attempt on `version` starts; returns the trace carrier for the replica."""
         self.version = version
+        self._in_engine = (0, 0)  # what an earlier attempt's replica produced is not this one's
         self._end_route(None)
         self._route_span = tracing.tracer().start_span(
             "route", context=trace.set_span_in_context(self.span),
@@ -154,6 +159,17 @@ class RequestTelemetry:
             self._flying = True
             _in_flight[(self.model, self.version)] += 1
             self._set_in_flight()
+
+    def working(self, progress: Working) -> None:
+        """The replica's heartbeat while it computes a whole reply: what it has produced so far."""
+        self._in_engine = (progress.prompt_tokens, progress.completion_tokens)
+
+    def client_left(self) -> None:
+        """The client left before the reply ended: its tokens are what the engine had produced by then, as
+        its replica last reported them (a whole reply's heartbeats; a stream has counted its chunks)."""
+        prompt, completion = self._in_engine
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
+        self.completion_tokens = max(self.completion_tokens, completion)
 
     def attempt_failed(self, why: str) -> None:
         self._end_route(why)

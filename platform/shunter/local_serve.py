@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shunter.ingress import HA_PROXY, direct_ingress_env, direct_ingress_wanted
+from shunter.ingress import HA_PROXY, direct_ingress_env, direct_ingress_wanted, haproxy_without_splice
 
 # Ray's default 30 s; it also raises an ingress deployment's graceful_shutdown_timeout_s to 35 s.
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
@@ -60,7 +60,8 @@ def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
     starting while the last one's HAProxy is still stopping) would share them: each cluster gets its
     own folder and free ports. An ingress replica told to stop keeps serving for
     `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S` so that balancers in front of the HAProxy can take
-    it out (Ray's default 30 s); with nothing in front of a one-machine cluster it is 2 s unless set."""
+    it out (Ray's default 30 s); with nothing in front of a one-machine cluster it is 2 s unless set.
+    HAProxy runs without kernel splicing, so that a client's close reaches the gateway (shunter.ingress)."""
     if not (direct_ingress_wanted() if direct is None else direct):
         return {HA_PROXY: "0"}
     folder = tempfile.mkdtemp(prefix="shunter-haproxy-")
@@ -73,6 +74,7 @@ def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         MIN_DRAINING: os.environ.get(MIN_DRAINING, str(LOCAL_MIN_DRAINING_S)),
+        **haproxy_without_splice(folder),  # so that a client's close reaches the gateway (shunter.ingress)
     }
 
 

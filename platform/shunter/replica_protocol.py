@@ -100,9 +100,14 @@ class Moved:
 
 @dataclass(frozen=True)
 class Working:
-    """Sent by a replica every few seconds while it computes a whole (not streamed) reply, before the
-    reply head: it is alive, so the gateway's `replica_timeout_s` of silence never mistakes a long reply
-    for a hung replica."""
+    """Sent by a replica while it computes a whole (not streamed) reply, before the reply head, whenever
+    its engine has made progress: it is alive, so the gateway's `replica_timeout_s` of silence never
+    mistakes a long reply for a hung replica. It carries what the reply has produced so far (its prompt
+    and completion tokens, shunter.engine_usage), so a request whose client leaves before the reply is
+    charged that much."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 def find_hint(args: Any, kwargs: Any) -> RouteHint | None:

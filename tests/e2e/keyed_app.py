@@ -32,14 +32,16 @@ APP = "keys-e2e"
 FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key(), new_key()
 AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
 ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2e/test_api_keys_isolation.py)
+LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_keys_disconnect.py)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
        "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
-       "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO}
+       "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
 AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
+LEAVER_TOKENS_PER_MINUTE = 10_000_000  # a quota that settles every request and never refuses one
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 ENGINE_SEQS = 16  # each engine's max_num_seqs
@@ -72,7 +74,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                       "tokens_per_minute": AGENTS_TOKENS_PER_MINUTE},
                      {"name": "embed-only", "key_env": "SHUNTER_TEST_KEY_EMBED", "models": [EMBED_MODEL]},
                      {"name": "org-one", "key_env": "SHUNTER_TEST_KEY_ORG_ONE", "cache_group": "org"},
-                     {"name": "org-two", "key_env": "SHUNTER_TEST_KEY_ORG_TWO", "cache_group": "org"}],
+                     {"name": "org-two", "key_env": "SHUNTER_TEST_KEY_ORG_TWO", "cache_group": "org"},
+                     {"name": "leaver", "key_env": "SHUNTER_TEST_KEY_LEAVER",
+                      "tokens_per_minute": LEAVER_TOKENS_PER_MINUTE}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

@@ -13,12 +13,12 @@ import pytest
 from starlette.requests import Request
 
 from shunter.config import parse_config
-from shunter.deployments.access import AccessControl
+from shunter.deployments.access import AccessControl, Ticket
 from shunter.deployments.adapters import LiveAdapters
 from shunter.deployments.forward import Forwarder
 from shunter.deployments.request_body import BodyReader
 from shunter.deployments.serving_state import ServingState
-from shunter.replica_protocol import Accepted
+from shunter.replica_protocol import Accepted, Working
 
 pytestmark = pytest.mark.unit
 
@@ -134,3 +134,52 @@ def test_a_stream_records_the_versions_success_when_its_relay_ends(pipeline):
     assert '"content":"hi"' in text and '"usage"' not in text and text.endswith("data: [DONE]\n\n")
     assert traffic.records == [("default", True)]
     assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
+
+
+class LongReplica(Replica):
+    """A replica computing a whole reply: it took the request and reported its progress, and is still at it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[ReplicaStream] = []
+
+    def remote(self, request: Any) -> ReplicaStream:
+        self.routing.dispatched("replica-1", request.request_id)
+        stream = _Computing([Accepted("replica-1"), Working(prompt_tokens=35, completion_tokens=12)])
+        self.streams.append(stream)
+        return stream
+
+
+class _Computing(ReplicaStream):
+    async def __anext__(self) -> Any:
+        if not self.items:
+            await asyncio.sleep(3600)
+        return self.items.pop(0)
+
+
+def test_a_client_that_leaves_a_whole_reply_stops_the_replica_and_is_charged_what_it_had_produced(monkeypatch):
+    """Serve cancels the route's task when the client's connection closes: the replica's call is cancelled
+    (its engine requests aborted), the admission slot and the routers' count are given back, nothing is
+    recorded for the version, and the key is charged the replica's last report as a 499."""
+    replica, traffic = LongReplica(), Traffic()
+    state = ServingState(CONFIG, {"m": {"default": replica}}, traffic)  # type: ignore[arg-type]
+    forwarder = Forwarder(CONFIG, AccessControl(CONFIG), BodyReader(CONFIG.gateway), state,
+                          traffic, None, LiveAdapters(CONFIG))  # type: ignore[arg-type]
+    replica.routing = state.routing(MODEL, "default")
+    settled: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(Ticket, "settle", lambda self, status, prompt, completion:
+                        settled.append((str(status), prompt, completion)))
+
+    async def run() -> None:
+        task = asyncio.ensure_future(forwarder.forward(_request(_body()), "chat"))
+        await asyncio.sleep(0.1)  # taken, and its progress reported: the reply is being computed
+        assert replica.routing.load("replica-1") == 1 and forwarder.state.gate(MODEL).admitted == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert [s.cancelled for s in replica.streams] == [True], "the replica's call is cancelled"
+    assert settled == [("499", 35, 12)]
+    assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
+    assert traffic.records == [], "a client leaving says nothing about the version"

@@ -10,7 +10,14 @@ import pytest
 import yaml
 
 from shunter.cli import load_app_configs
-from shunter.ingress import HA_PROXY, HAPROXY_THREADS, cluster_env, direct_ingress_wanted
+from shunter.ingress import (
+    HA_PROXY,
+    HAPROXY_BINARY,
+    HAPROXY_THREADS,
+    IMAGE_HAPROXY_WRAPPER,
+    cluster_env,
+    direct_ingress_wanted,
+)
 from shunter.kuberay import render_rayservice
 from shunter.local_serve import MIN_DRAINING, local_cluster_env
 
@@ -19,14 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def environ(monkeypatch):
-    for name in (HA_PROXY, HAPROXY_THREADS, "SHUNTER_INGRESS", MIN_DRAINING):
+    for name in (HA_PROXY, HAPROXY_THREADS, HAPROXY_BINARY, "SHUNTER_INGRESS", MIN_DRAINING):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
 def test_direct_ingress_is_the_default_and_ray_s_own_variable_wins(environ):
     # One HAProxy thread: with Ray's 4, clients' hang-ups often did not reach the gateway (ingress.py).
-    assert direct_ingress_wanted() and cluster_env() == {HA_PROXY: "1", HAPROXY_THREADS: "1"}
+    assert direct_ingress_wanted() and cluster_env() == {HA_PROXY: "1", HAPROXY_THREADS: "1",
+                                                         HAPROXY_BINARY: IMAGE_HAPROXY_WRAPPER}
     environ.setenv(HAPROXY_THREADS, "2")  # an operator's own choice is kept
     assert cluster_env()[HAPROXY_THREADS] == "2"
     environ.setenv("SHUNTER_INGRESS", "proxy")
@@ -57,6 +65,28 @@ def test_each_local_cluster_gets_its_own_haproxy_files_and_ports(environ):
         assert env[MIN_DRAINING] == "2"  # nothing in front of a one-machine cluster to wait for
     assert first["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] != second["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
     assert first["RAY_SERVE_HAPROXY_STATS_PORT"] != first["RAY_SERVE_HAPROXY_METRICS_PORT"]
+
+
+def test_a_local_cluster_runs_haproxy_without_splicing_so_a_clients_close_reaches_the_gateway(environ, tmp_path):
+    """With Ray's `option splice-request`, HAProxy never passes on the close of a client whose body came
+    after its headers (ingress.py): each local cluster's HAProxy runs through a wrapper adding `-dS`."""
+    import subprocess
+
+    env = local_cluster_env()
+    wrapper = env[HAPROXY_BINARY]
+    assert wrapper.startswith(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] + os.sep) and os.access(wrapper, os.X_OK)
+    script = Path(wrapper).read_text()
+    assert ' -dS "$@"' in script
+    version = subprocess.run([wrapper, "-v"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and "HAProxy version" in version.stdout, version
+    environ.setenv(HAPROXY_BINARY, wrapper)  # the next cluster of this process: wraps the binary, not the wrapper
+    assert Path(local_cluster_env()[HAPROXY_BINARY]).read_text() == script
+    own = tmp_path / "my-haproxy"
+    own.write_text("#!/bin/sh\n")
+    own.chmod(0o755)
+    environ.setenv(HAPROXY_BINARY, str(own))  # an operator's own binary is the one run
+    assert f"exec {own} -dS" in Path(local_cluster_env()[HAPROXY_BINARY]).read_text()
+    assert HAPROXY_BINARY not in local_cluster_env(direct=False)
 
 
 def test_a_local_cluster_keeps_an_operator_s_drain_period_and_says_no_when_off(environ):

@@ -22,6 +22,7 @@ from shunter.deployments.request_end import RequestEnd
 from shunter.deployments.telemetry import RequestTelemetry
 from shunter.ops.admission import AdmissionGate, DispatchQueue
 from shunter.ops.draining import DrainTracker
+from shunter.replica_protocol import Working
 
 pytestmark = pytest.mark.unit
 
@@ -145,6 +146,35 @@ def test_a_client_gone_while_a_whole_reply_runs_is_a_499_and_stops_the_replica()
     req.answered(streamed=False)
     req.end.settle(499, finished=False)
     req.assert_settled_once("499", cancelled=True, outcome=[])
+
+
+def test_a_whole_reply_whose_client_left_is_charged_what_its_replica_last_reported():
+    """The client left before the reply: the door's cancellation settles it at the replica's last
+    heartbeat (its prompt and the completion tokens so far), not at nothing, not at the reservation."""
+    req = Request()
+    req.tel.routing("default", attempt=1)
+    req.tel.working(Working(prompt_tokens=35, completion_tokens=12))
+    req.tel.working(Working(prompt_tokens=35, completion_tokens=40))
+    req.end.settle(499, finished=False)
+    req.assert_settled_once("499", cancelled=False, outcome=[])
+    assert req.ticket.settles == [("499", 35, 40)]
+
+
+def test_a_heartbeat_counts_only_for_its_own_attempt_and_never_for_a_reply_that_came():
+    retried = Request()
+    retried.tel.routing("default", attempt=1)
+    retried.tel.working(Working(prompt_tokens=35, completion_tokens=12))
+    retried.tel.attempt_failed("ReplicaFailure")  # that replica died; the retry starts over
+    retried.tel.routing("default", attempt=2)
+    retried.end.settle(499, finished=False)
+    assert retried.ticket.settles == [("499", 0, 0)], "nothing reported yet: the ticket charges its estimate"
+    served = Request(ReplicaStream([]))
+    served.tel.routing("default", attempt=1)
+    served.tel.working(Working(prompt_tokens=35, completion_tokens=12))
+    served.tel.whole_reply({"usage": {"prompt_tokens": 35, "completion_tokens": 20}})
+    served.answered(streamed=False)
+    served.end.settle(200, ok=True)
+    assert served.ticket.settles == [("200", 35, 20)], "the reply's own usage"
 
 
 def test_settling_twice_does_nothing_the_second_time():

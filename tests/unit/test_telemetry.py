@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from shunter import tracing
 from shunter.deployments.replica_telemetry import traced
 from shunter.deployments.telemetry import RequestTelemetry, ask_for_usage
+from shunter.replica_protocol import Working
 
 EXPORTER = InMemorySpanExporter()
 
@@ -187,3 +188,16 @@ def test_spans_never_carry_the_key_or_the_prompt_by_default_and_the_end_callback
     text = json.dumps([{**dict(s.attributes or {}), "events": [e.name for e in s.events]}
                        for s in EXPORTER.get_finished_spans()])
     assert key not in text and "authorization" not in text.lower() and "secret prompt" not in text
+
+
+def test_a_client_that_left_is_counted_at_the_larger_of_what_was_relayed_and_what_the_replica_reported(dumps):
+    whole = RequestTelemetry("m", "chat", {}, "req-10")
+    whole.working(Working(prompt_tokens=35, completion_tokens=12))
+    assert (whole.prompt_tokens, whole.completion_tokens) == (0, 0), "counted only once the client has left"
+    whole.client_left()
+    assert (whole.prompt_tokens, whole.completion_tokens) == (35, 12)
+    stream = RequestTelemetry("m", "chat", {}, "req-11")
+    stream.chunk(_event(dumps, {"choices": [{"index": 0, "delta": {"content": "a"}}],
+                                "usage": {"prompt_tokens": 7, "completion_tokens": 3}}))
+    stream.client_left()  # a stream has no heartbeat: its chunks' running usage stands
+    assert (stream.prompt_tokens, stream.completion_tokens) == (7, 3)
