@@ -273,6 +273,7 @@ class ModelServer:
             "cpu_cores": self._cores.cores if self._cores else None,
             "placement": self._group.describe() if self._group else None,
             "max_model_len": self.engine.max_model_len(),
+            "dtype": self.engine.dtype() if hasattr(self.engine, "dtype") else None,
         }
 
     def stats(self, route: RouteHint | None = None) -> dict[str, Any]:

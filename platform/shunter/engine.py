@@ -636,6 +636,10 @@ class VLLMEngine:
     def max_model_len(self) -> int:
         return int(self._engine.model_config.max_model_len)
 
+    def dtype(self) -> str:
+        """The dtype the engine runs in (`engine.dtype: auto` resolved on this node: shunter.cpu_dtype)."""
+        return str(self._engine.model_config.dtype).removeprefix("torch.")
+
     def kv_cache_blocks(self) -> int:
         """KV blocks the engine allocated (known once the engine core has started)."""
         return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)

@@ -5,7 +5,8 @@ name the admin API cannot remove.
 
 The keyed app (tests/e2e/keyed_app.py) is shared with the other `test_api_keys_*` modules: one app start.
 Breaker movement is read from the admin API's replica list (`failures`: replica failures each gateway
-recorded), asked often enough to hear from both gateways.
+recorded), asked often enough to hear from both gateways. A client that leaves (item 6) is
+tests/e2e/test_api_keys_disconnect.py's; the agent APIs' SDK gaps (item 7) tests/e2e/test_api_keys_agents.py's.
 """
 
 from __future__ import annotations
@@ -174,3 +175,14 @@ def test_an_adapter_name_the_routes_cannot_carry_is_refused_at_add(app, name):
                       headers={"Authorization": f"Bearer {ADMIN}"}, timeout=TIMEOUT_S)
     error = assert_client_error(resp)
     assert error["param"] == "name", error
+
+
+# ---- 8. a sane dtype by CPU ------------------------------------------------------------------------------
+
+def test_each_replica_runs_the_dtype_its_cpu_runs_fast_and_says_so(app):
+    from shunter.cpu_dtype import node_cpu_flags, resolve_dtype
+
+    expected, why = resolve_dtype("auto", "cpu", node_cpu_flags())  # the replicas run on this machine
+    details = httpx.get(f"{app}/ready", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=TIMEOUT_S).json()
+    for model in (CHAT_MODEL, EMBED_MODEL):
+        assert details["models"][model]["dtype"] == expected, (why, details["models"][model])
