@@ -137,15 +137,16 @@ def _key_totals() -> dict[str, float]:
 
 
 def _settled(settled_requests: float, timeout_s: float = 60) -> dict[str, float]:
-    """The key's totals once `settled_requests` requests are counted and two scrapes 3 s apart agree (the
-    suite's clusters export every 2 s)."""
+    """The key's totals once `settled_requests` requests are counted and two scrapes a second apart agree:
+    a request's status and tokens are recorded together when it settles, so the export (every 2 s in the
+    suite's clusters) that brings the last count brings its tokens too."""
     deadline, last = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         now = _key_totals()
         if now["499"] + now["200"] >= settled_requests and now == last:
             return now
         last = now
-        time.sleep(3)
+        time.sleep(1)
     raise AssertionError(f"the key's requests never settled at {settled_requests}: {last}")
 
 

@@ -24,7 +24,7 @@ APP = "rollouts"
 MODEL = "echo"
 ROLLOUT = {"steps": [10, 50, 100], "hold_s": 3, "max_hold_s": 60, "ready_timeout_s": 120,
            "gates": {"min_requests": 5, "max_error_rate_increase": 0.05, "max_ttft_p95_ratio": 3,
-                     "max_e2e_p95_ratio": 3, "latency_slack_s": 0.3}}
+                     "max_e2e_p95_ratio": 3, "latency_slack_s": 0.6}}
 ARGS = {
     "models": [{
         "name": MODEL,
