@@ -203,7 +203,7 @@ def test_a_whole_replys_heartbeats_carry_its_tokens_and_closing_the_call_aborts_
     monkeypatch.setattr(model_server, "_PROGRESS_S", 0.05)
     server = object.__new__(model_server.ModelServer)  # no engine start: what `_serve` reads
     server.model, server.replica_id, server._heartbeat_s = SimpleNamespace(name="m"), "r1", 10.0
-    server._channel = SimpleNamespace(address=None)
+    server._channel = SimpleNamespace(address=None, close=lambda: None)
     server.engine = engine = CountingEngine()
 
     async def run() -> list[Any]:
