@@ -15,9 +15,9 @@ from ray import serve
 from ray.serve import Application
 
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
-from shunter.deployments.gateway import Gateway
-from shunter.deployments.model_server import ModelServer
-from shunter.ops.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
+from shunter.deployments.gateway.deployment import Gateway
+from shunter.deployments.gateway.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
+from shunter.deployments.replica.model_server import ModelServer
 from shunter.routing.custom import guarded_path, import_router
 from shunter.serve_plan import ClusterView, plan_deployments
 
@@ -46,7 +46,7 @@ def deployment_options(cfg: ShunterConfig, cluster: ClusterView) -> dict[str, di
                 health_check_period_s=HEALTH_CHECK_PERIOD_S,
                 health_check_timeout_s=30,
                 # Ray kills a leaving replica after this; the gateway aborts its leftovers, with an error
-                # event, at the drain timeout before that (shunter.ops.draining).
+                # event, at the drain timeout before that (shunter.deployments.gateway.draining).
                 graceful_shutdown_timeout_s=ray_shutdown_timeout_s(model.draining.timeout_s),
                 graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
             )

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import ray
 
+from shunter import ray_compat
 from shunter.ops import metrics
 from shunter.ops.rollout import (
     Gates,
@@ -79,23 +80,17 @@ class Store(Protocol):
 
 
 class RayStore:
-    """Ray's internal key-value store, held by the GCS. Blocking calls."""
+    """Ray's internal key-value store, held by the GCS (no public API: `shunter.ray_compat`). Blocking
+    calls."""
 
     def get(self, key: bytes) -> bytes | None:
-        from ray.experimental import internal_kv
-
-        return internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+        return ray_compat.kv_get(key, _KV_NAMESPACE)
 
     def put(self, key: bytes, value: bytes) -> None:
-        from ray.experimental import internal_kv
-
-        # Ray's GCS key-value store has no public API; the Serve controller keeps its own checkpoints there.
-        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=_KV_NAMESPACE)
+        ray_compat.kv_put(key, value, _KV_NAMESPACE)
 
     def keys(self, prefix: bytes) -> list[bytes]:
-        from ray.experimental import internal_kv
-
-        return internal_kv._internal_kv_list(prefix, namespace=_KV_NAMESPACE)
+        return ray_compat.kv_keys(prefix, _KV_NAMESPACE)
 
 
 def read_state(app: str, store: Store | None = None) -> dict[str, Any]:
@@ -194,7 +189,7 @@ class LastReplica(ValueError):
 class ShunterControl:
     """One per application, run as a Ray actor by `control`; the class itself needs no Ray, so the unit
     tests drive it directly (`store`, `clock` and `_status` are their seams). `context` arguments describe
-    a model as the gateway's config has it (see `shunter.deployments.traffic.LiveVersions.context`): the actor
+    a model as the gateway's config has it (see `shunter.deployments.gateway.traffic.LiveVersions.context`): the actor
     holds no config of its own."""
 
     def __init__(self, app: str, tick_s: float = TICK_S, store: Store | None = None,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prometheus for `shunter demo` and the dashboard tests (shunter.ops.prometheus runs it locally).
+# Prometheus for `shunter demo` and the dashboard tests (shunter.cli.demo.prometheus runs it locally).
 # Installs Debian's package where it is missing and this user may install system packages (root, or
 # password-less sudo); otherwise says what to do and fails. Nothing happens when one is already there.
 set -euo pipefail

@@ -1,4 +1,5 @@
-"""Ray Serve request routers for ModelServer deployments (public `ray.serve.request_router` API).
+"""Ray Serve request routers for ModelServer deployments (public `ray.serve.request_router` API; what they
+need of Ray's private router internals goes through `shunter.ray_compat`).
 
 Every policy runs behind `ShunterGuard`, which owns what must hold whatever the policy:
 - replicas whose circuit breaker is open get no traffic (half-open ones get their probes);
@@ -28,9 +29,9 @@ import logging
 import random
 from typing import Any
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from shunter import ray_compat
 from shunter.config import DEFAULT_VERSION, RoutingConfig
 from shunter.replica_protocol import ReplicaRequest, find_hint
 from shunter.routing import metrics
@@ -59,10 +60,10 @@ class ShunterGuard:
 
     def initialize_state(self, shunter: dict[str, Any] | None = None, **kwargs: Any) -> None:
         spec = shunter or {}
-        dep = self._deployment_id  # type: ignore[attr-defined]
+        app_name, deployment = ray_compat.router_deployment(self)
         self._shunter = routing_state(
-            deployment_key(dep.app_name, dep.name),
-            model=spec.get("model", dep.name),
+            deployment_key(app_name, deployment),
+            model=spec.get("model", deployment),
             version=spec.get("version", DEFAULT_VERSION),
             policy=spec.get("policy", self.policy_name),
             config=RoutingConfig.model_validate(spec.get("routing", {})),
@@ -79,7 +80,7 @@ class ShunterGuard:
             return [c for c in candidates if c.replica_id.unique_id == hint.pin]
         allowed = [c for c in candidates if self._shunter.allows(c.replica_id.unique_id)]
         if pending is not None and len(allowed) < len(candidates):
-            pending._shunter_skipped = True  # counted once, when the request is routed
+            ray_compat.set_request_note(pending, "skipped", True)  # counted once, when the request is routed
         cordoned = self._shunter.cordoned
         if cordoned:  # a drained replica serves only when no other one can: nothing is refused for it
             allowed = [c for c in allowed if c.replica_id.unique_id not in cordoned] or allowed
@@ -121,14 +122,14 @@ class ShunterGuard:
         request_id = (hint.request_id if hint is not None and hint.request_id
                       else pending_request.metadata.internal_request_id)
         state.unreserve(pending_request.metadata.internal_request_id)
-        if getattr(pending_request, "_shunter_skipped", False):
+        if ray_compat.request_note(pending_request, "skipped", False):
             metrics.decision(state.model, state.version, state.policy, BREAKER_SKIP)
         if hint is not None and hint.avoid:
             metrics.decision(state.model, state.version, state.policy, RETRY)
         if not isinstance(hint, ReplicaRequest):
             self._count_until_done(replica, request_id, result)
             return
-        key = getattr(pending_request, "_shunter_key", None)
+        key = ray_compat.request_note(pending_request, "key")
         if key is None:
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
         matched = state.matched(replica, key.keys)
@@ -168,7 +169,7 @@ class ShunterGuard:
 
     def _load(self, replica: RunningReplica) -> int:
         ours = self._shunter.load(replica.replica_id.unique_id)
-        cached = self._replica_queue_len_cache.get(replica.replica_id)  # type: ignore[attr-defined]
+        cached = ray_compat.cached_queue_len(self, replica.replica_id)
         return ours if cached is None else max(ours, cached)
 
     def _reserve(self, pending: PendingRequest | None, order: tuple[str, ...], prefill_tokens: int = 0,
@@ -219,10 +220,10 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
             return self._by_least_load(allowed, pending_request)
         by_id = {r.replica_id.unique_id: r for r in allowed}
         state = self._shunter
-        key = getattr(pending_request, "_shunter_key", None)
+        key = ray_compat.request_note(pending_request, "key")
         if key is None:  # computed once per request, though Ray may ask again after a rejection
             key = prefix_key(render_prompt(hint.endpoint, hint.body), state.block_size)
-            pending_request._shunter_key = key
+            ray_compat.set_request_note(pending_request, "key", key)
         adapter = _adapter_of(hint, state)
         candidates = [Candidate(i, self._load(r), state.matched(i, key.keys), state.pending_prefill(i),
                                 has_adapter=adapter is None or state.holds_adapter(i, adapter),
@@ -230,7 +231,8 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
                       for i, r in by_id.items()]
         ranking = rank_prefix_aware(candidates, key, state.config.load_cost_tokens, state.config.max_load_gap,
                                     self._rng, state.config.adapter_load_tokens, state.config.adapter_busy_tokens)
-        pending_request._shunter_most = max((c.matched for c in candidates), default=0)
+        most = max((c.matched for c in candidates), default=0)
+        ray_compat.set_request_note(pending_request, "most", most)
         if ranking.order:
             first = next(c for c in candidates if c.replica == ranking.order[0])
             load = 0 if first.has_adapter else state.config.adapter_load_tokens
@@ -238,13 +240,13 @@ class PrefixAwareRouter(ShunterGuard, RequestRouter):
         return [[by_id[i]] for i in ranking.order]
 
     def _reason(self, pending: PendingRequest, replica: str, matched: int) -> str | None:
-        most = getattr(pending, "_shunter_most", matched)
+        most = ray_compat.request_note(pending, "most", matched)
         if most == 0:
             return LEAST_LOADED
         return PREFIX_HIT if matched >= most else LOAD_FALLBACK
 
 
-class PowerOfTwoRouter(ShunterGuard, PowerOfTwoChoicesRequestRouter):
+class PowerOfTwoRouter(ShunterGuard, ray_compat.power_of_two_router()):  # type: ignore[misc]
     """Ray Serve's default policy (two random replicas, the shorter queue), behind the guard."""
 
     policy_name = "power_of_two"

@@ -3,7 +3,7 @@ of requests must move up a tier because the cheaper tier's answers fall short.
 
 Pure logic, no Ray: the gateway extracts `Features` from the body, `TierRouter` decides, and
 `AgreementMonitor` judges the top tier's reference answers against the cheaper tiers' (the gateway
-measures the agreement; see deployments/tiering.py).
+measures the agreement; see deployments/gateway/tiering.py).
 
 The classifier is a handful of regular-expression searches over at most the first `SCAN_CHARS` of the
 prompt plus arithmetic: tens of microseconds per request, measured by `shunter bench tiers`. The score

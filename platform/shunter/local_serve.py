@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shunter.ingress import HA_PROXY, direct_ingress_env, direct_ingress_wanted, haproxy_without_splice
+from shunter.ray_compat import init_metrics_port
 
 # Ray's default 30 s; it also raises an ingress deployment's graceful_shutdown_timeout_s to 35 s.
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
@@ -120,11 +121,10 @@ def local_serve(metrics: bool = False, direct_ingress: bool | None = None) -> It
     env = local_cluster_env(direct_ingress)
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # the processes Ray starts inherit it
-    # _metrics_export_port: ray.init has no public way to choose the exporter's port, and a scraper
-    # started before the cluster must know it.
+    # ray.init has no public way to choose the exporter's port, and a scraper started before the cluster
+    # must know it (shunter.ray_compat.init_metrics_port).
     try:
-        ray.init(include_dashboard=False, log_to_driver=False,
-                 **({"_metrics_export_port": metrics_port} if metrics_port else {}))
+        ray.init(include_dashboard=False, log_to_driver=False, **init_metrics_port(metrics_port))
     finally:
         for name, value in before.items():
             if value is None:

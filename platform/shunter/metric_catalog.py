@@ -1,6 +1,6 @@
 """Every metric Shunter exports: name, kind, labels, buckets and meaning, in one place.
 
-The recording code (`shunter.routing.metrics`, `shunter.ops.metrics`, `shunter.deployments.telemetry`) builds its Ray metrics from
+The recording code (`shunter.routing.metrics`, `shunter.ops.metrics`, `shunter.deployments.gateway.telemetry`) builds its Ray metrics from
 these specs, and the dashboard generator (`shunter.ops.dashboards`) writes queries against them. Ray exports
 each with a `ray_` prefix (`shunter_requests_total` is scraped as `ray_shunter_requests_total`), adds
 its own labels (`WorkerId`, `NodeAddress`, `SessionName`, ...) and, for histograms, the
@@ -136,7 +136,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_engine_requests_waiting", "gauge", (*_MV, "replica"),
                "Requests waiting in the engine's scheduler queue.", "replica"),
     # LoRA adapters: the `adapter` label takes only names a model serves (its config's adapters and
-    # those added through the admin API, at most MAX_ADAPTERS_PER_MODEL of them: deployments/adapters.py);
+    # those added through the admin API, at most MAX_ADAPTERS_PER_MODEL of them: deployments/gateway/lora.py);
     # a client's unknown name is a 404 before anything is counted.
     MetricSpec("shunter_adapter_requests_total", "counter", ("model", "adapter", "status"),
                "Requests to each LoRA adapter, by the HTTP status the client got.", "gateway"),

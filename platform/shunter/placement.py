@@ -8,7 +8,7 @@ different nodes.
 Ray's placement-group strategies cannot say that for PP > 1 ("groups of TP bundles, each group on one
 node"): STRICT_PACK forbids spanning nodes, and PACK (what vLLM and Ray Serve LLM use) fills nodes
 greedily bundle by bundle, so on a node with free GPUs that are not a multiple of TP it splits a stage
-across nodes. The runtime therefore reserves in two steps (deployments/engine_placement.py): one bundle
+across nodes. The runtime therefore reserves in two steps (deployments/replica/placement.py): one bundle
 of TP devices per stage, which Ray must place on a single node, then per-device bundles pinned to the
 nodes the stages got. A PP = 1 replica needs no such step: its devices are one STRICT_PACK group.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ENDPOINTS = ("chat", "completion", "embedding", "responses", "messages")
+from shunter.endpoints import ENDPOINTS
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,16 @@ class ReplicaRequest(RouteHint):
     # Responses input. hasattr() is False when these raise.
     @property
     def messages(self) -> Any:
-        if self.endpoint not in ("chat", "messages") or "messages" not in self.body:
+        field = ENDPOINTS[self.endpoint].prompt_field
+        if field != "messages" or field not in self.body:
             raise AttributeError("messages")
-        return self.body["messages"]
+        return self.body[field]
 
     @property
     def prompt(self) -> Any:
-        field = {"completion": "prompt", "responses": "input"}.get(self.endpoint)
-        if field is None or field not in self.body:
+        described = ENDPOINTS[self.endpoint]
+        field = described.prompt_field
+        if field == "messages" or not described.generates or field not in self.body:
             raise AttributeError("prompt")
         return self.body[field]
 
@@ -90,6 +92,22 @@ class Accepted:
 
     replica_id: str
     channel: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplyHead:
+    """Second item of every reply stream: the reply's status and, for a whole reply, its JSON body (an
+    error's in OpenAI's shape); `stream`: SSE chunks follow. The gateway decides the HTTP status from it
+    before any byte goes to the client."""
+
+    status: int
+    body: Any = None
+    stream: bool = False
+
+    @property
+    def error_message(self) -> str:
+        error = self.body.get("error") if isinstance(self.body, dict) else None
+        return str(error.get("message", "")) if isinstance(error, dict) else ""
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shunter.adapter_sources import local_copy
 from shunter.auth import new_key
 from shunter.config import EngineConfig
 from shunter.cpu_dtype import engine_dtype
+from shunter.lora_sources import local_copy
 from tests.integration.local_app import local_app
 
 from .live import LiveApp, wait_ready

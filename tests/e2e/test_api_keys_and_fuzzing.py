@@ -246,9 +246,12 @@ def _schema(base: str) -> Any:
 
     raw = httpx.get(f"{base}/openapi.json", timeout=TIMEOUT_S).json()
     names = [CHAT_MODEL, "smollm2", EMBED_MODEL, "no-such-model"]
-    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "ResponsesRequest",
-                 "MessagesRequest"):
-        raw["components"]["schemas"][name]["properties"]["model"]["enum"] = names
+    schemas = raw["components"]["schemas"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"):
+        ref = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        body = schemas[ref.rpartition("/")[2]]  # the engine's own request model (a union for embeddings)
+        for variant in [schemas[v["$ref"].rpartition("/")[2]] for v in body.get("anyOf", ())] or [body]:
+            variant["properties"]["model"] = {"type": "string", "enum": names}
     schema = schemathesis.openapi.from_dict(raw)
     schema.config.update(base_url=base)
     schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE,

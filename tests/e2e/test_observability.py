@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shunter.cli.demo.prometheus import Prometheus, has_data
 from shunter.local_serve import free_port
-from shunter.ops.prometheus import Prometheus, has_data
 from tests.e2e.live import wait_ready
 from tests.integration.local_app import local_app
 from tests.otlp_receiver import OTLPReceiver

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shunter.adapter_sources import local_copy
+from shunter.lora_sources import local_copy
 
 from .routing_app import (
     ADAPTER_DIRS,

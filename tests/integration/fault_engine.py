@@ -1,8 +1,11 @@
 """FAKE ENGINE for platform fault tests only. Real behaviour is tested against vLLM in tests/e2e.
 
 The real engine cannot be made, on demand, to fail, hang or die in the middle of a stream, so these
-tests swap it (through ModelServer's `engine_factory` seam) for this stand-in, which speaks the same
-EngineReply protocol as shunter.engine.VLLMEngine. What it does depends on the model's `source`:
+tests swap it (through ModelServer's `engine_factory` seam) for this fake, which implements the engine
+interface the replica calls (shunter.engine_protocol.ServingEngine, through its BaseEngine: no counters,
+LoRA, prefix view or token counts) and answers with EngineReply as shunter.engine.VLLMEngine does. It
+serves chat and completions (embeddings: one zero vector); the Responses and Messages APIs raise. What it
+does depends on the model's `source`:
 
 - `fake:flaky`: echoes the last message word by word (as an SSE chat stream when asked to stream). A
   message containing "DIE" makes the replica process exit after three chunks (a crash mid-stream); one
@@ -34,12 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from shunter.engine import EngineReply, EngineSpec
+from shunter.engine_protocol import BaseEngine
 from shunter.errors import error_body
 
 SLOW_S = 1.0
 
 
-class FaultInjectingEngine:
+class FaultInjectingEngine(BaseEngine):
+    """FAKE ENGINE, for fault injection only (see the module docstring)."""
+
     def __init__(self, spec: EngineSpec, replica: str):
         self.spec = spec
         self.replica = replica
@@ -135,6 +141,12 @@ class FaultInjectingEngine:
 
     async def embedding(self, body: dict[str, Any]) -> EngineReply:
         return EngineReply(200, {"object": "list", "data": [{"index": 0, "embedding": [0.0]}]})
+
+    async def responses(self, body: dict[str, Any]) -> EngineReply:
+        raise NotImplementedError("fault injection: the fake engine does not serve the Responses API")
+
+    async def messages(self, body: dict[str, Any]) -> EngineReply:
+        raise NotImplementedError("fault injection: the fake engine does not serve the Messages API")
 
     async def warmup(self) -> None:
         return None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shunter.local_serve import free_port, local_cluster_env
+from shunter.ray_compat import init_metrics_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.integration.fault_engine:FaultInjectingEngine.start"
@@ -45,7 +46,7 @@ def _start(metrics_port: int | None, host: str) -> int:
     import ray
     from ray import serve
 
-    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    extra = init_metrics_port(metrics_port)
     os.environ.update(local_cluster_env())  # direct ingress, as `shunter serve` starts its cluster
     # Replica processes import the fake engine from the repository's tests package.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,

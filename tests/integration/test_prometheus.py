@@ -1,4 +1,4 @@
-"""A real Prometheus, as `shunter demo` and the dashboard tests run it (shunter.ops.prometheus), scraping a
+"""A real Prometheus, as `shunter demo` and the dashboard tests run it (shunter.cli.demo.prometheus), scraping a
 real exporter (prometheus_client's, fed by a thread at known rates), and the PNG renderer drawing a small
 dashboard from its range queries. No Ray: what is tested is the Prometheus side."""
 
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from shunter.cli.demo.panels.render import evaluate_panel, render_all, render_dashboard, step_times
+from shunter.cli.demo.prometheus import Prometheus, PrometheusError, has_data, values_of
 from shunter.local_serve import free_port
-from shunter.ops.panels.render import evaluate_panel, render_all, render_dashboard, step_times
-from shunter.ops.prometheus import Prometheus, PrometheusError, has_data, values_of
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SCRAPE_S = 1.0

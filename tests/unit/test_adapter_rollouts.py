@@ -10,7 +10,7 @@ import json
 from types import SimpleNamespace
 
 from shunter.config import parse_config
-from shunter.deployments.adapters import LiveAdapters, version_label
+from shunter.deployments.gateway.lora import LiveAdapters, version_label
 from shunter.ops.control import ShunterControl
 from tests.unit.fake_clock import Clock
 from tests.unit.test_control_races import MemoryStore

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from shunter.config.routing import RoutingConfig
-from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
+from shunter.engine_lora import AdapterUnavailable, EngineAdapters
 from shunter.routing.policy import Candidate, rank_prefix_aware
 from shunter.routing.prefix import prefix_key
 from shunter.routing.state import AdapterResidency, DeploymentRouting

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from shunter.adapter_sources import AdapterSourceError, fetch, local_copy, remote_adapter_config
 from shunter.config.adapters import AdapterConfig
-from shunter.engine_adapters import AdapterUnavailable, EngineAdapters
+from shunter.engine_lora import AdapterUnavailable, EngineAdapters
+from shunter.lora_sources import AdapterSourceError, fetch, local_copy, remote_adapter_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shunter.config import parse_config
-from shunter.deployments.access import AccessControl
+from shunter.deployments.gateway.access import AccessControl
 from shunter.engine import EngineSpec
 
 pytestmark = pytest.mark.unit
@@ -77,8 +77,8 @@ def test_url_safe_adapter_names_pass_everywhere(tmp_path):
 def test_the_admin_api_refuses_a_name_its_routes_cannot_carry(tmp_path, name):
     """POST /admin/models/{model}/adapters: a 400 naming the field and the pattern, before anything is saved."""
     from shunter.config.adapters import ADAPTER_NAME_PATTERN
-    from shunter.deployments.adapters import LiveAdapters
-    from shunter.deployments.admin_schema import AdapterBody, parse_body
+    from shunter.deployments.gateway.admin_schema import AdapterBody, parse_body
+    from shunter.deployments.gateway.lora import LiveAdapters
     from shunter.errors import ApiError
 
     with pytest.raises(ApiError) as refused:
@@ -94,7 +94,7 @@ def test_the_admin_api_refuses_a_name_its_routes_cannot_carry(tmp_path, name):
 
 
 def test_a_bad_name_in_adapter_dirs_or_the_control_state_is_skipped_never_served(tmp_path, caplog):
-    from shunter.deployments.adapters import LiveAdapters
+    from shunter.deployments.gateway.lora import LiveAdapters
     from shunter.ops.control import with_adapter
 
     folder = tmp_path / "tunes"
@@ -165,7 +165,7 @@ def test_a_key_naming_model_star_uses_every_adapter_of_it_but_not_the_model(tmp_
 
 
 def test_an_operator_adds_and_removes_adapters_over_the_config(tmp_path):
-    from shunter.deployments.adapters import LiveAdapters
+    from shunter.deployments.gateway.lora import LiveAdapters
     from shunter.ops.control import adapter_changes, with_adapter
 
     cfg = _config(tmp_path)
@@ -185,7 +185,7 @@ def test_an_operator_adds_and_removes_adapters_over_the_config(tmp_path):
 
 
 def test_what_an_operator_may_add(tmp_path):
-    from shunter.deployments.adapters import LiveAdapters
+    from shunter.deployments.gateway.lora import LiveAdapters
     from shunter.errors import ApiError
 
     cfg = parse_config({"models": [
@@ -205,7 +205,7 @@ def test_what_an_operator_may_add(tmp_path):
 
 
 def test_adapters_found_in_adapter_dirs_are_served_and_new_ones_appear_at_the_next_scan(tmp_path):
-    from shunter.deployments.adapters import SCAN_EVERY_S, LiveAdapters
+    from shunter.deployments.gateway.lora import SCAN_EVERY_S, LiveAdapters
     from tests.unit.fake_clock import Clock
 
     folder = tmp_path / "tunes"

@@ -7,7 +7,12 @@ import contextlib
 
 import pytest
 
-from shunter.ops.admission import DEFAULT_RETRY_AFTER_S, MAX_RETRY_AFTER_S, AdmissionGate, DispatchQueue
+from shunter.deployments.gateway.admission import (
+    DEFAULT_RETRY_AFTER_S,
+    MAX_RETRY_AFTER_S,
+    AdmissionGate,
+    DispatchQueue,
+)
 from tests.unit.fake_clock import Clock
 
 

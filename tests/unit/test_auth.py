@@ -17,8 +17,9 @@ from shunter.auth import (
     read_key,
 )
 from shunter.config import ConfigError, KeySourceConfig, parse_config
-from shunter.deployments.access import AccessControl
-from shunter.deployments.parsed_request import parse
+from shunter.deployments.gateway.access import AccessControl
+from shunter.deployments.gateway.parsed_request import parse
+from shunter.endpoints import ENDPOINTS
 from shunter.errors import ApiError
 from shunter.routing.prefix import prefix_key, render_prompt
 
@@ -201,18 +202,18 @@ USER = {"role": "user", "content": "x"}
 def test_requests_past_a_limit_get_400_naming_the_field(endpoint, body, param, code):
     door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32, "max_embedding_inputs": 3,
                                         "max_completion_prompts": 3}), environ={})
-    error = refusal(door.check_limits, parse(endpoint, body))
+    error = refusal(door.check_limits, parse(ENDPOINTS[endpoint], body))
     assert (error.status, error.param, error.code) == (400, param, code)
 
 
 def test_requests_within_limits_pass_and_malformed_ones_are_400s_naming_the_field():
     door = AccessControl(config(limits={"max_messages": 3, "max_n": 2, "max_tokens": 32}), environ={})
-    door.check_limits(parse("chat", {"messages": [USER] * 3, "n": "2", "max_tokens": 32.0}))
-    door.check_limits(parse("embedding", {"input": "x"}))
+    door.check_limits(parse(ENDPOINTS["chat"], {"messages": [USER] * 3, "n": "2", "max_tokens": 32.0}))
+    door.check_limits(parse(ENDPOINTS["embedding"], {"input": "x"}))
     for endpoint, body, param in [("chat", {"messages": "not a list"}, "messages"),
                                   ("chat", {"messages": [USER], "n": 2.5}, "n"),
                                   ("completion", {"prompt": "x", "max_tokens": "lots"}, "max_tokens")]:
-        error = refusal(parse, endpoint, body)
+        error = refusal(parse, ENDPOINTS[endpoint], body)
         assert error.status == 400 and error.param and error.param.startswith(param), (body, error.param)
 
 

@@ -123,7 +123,7 @@ def test_plan_hands_ray_the_queue_depth_policy_and_plans_cores_for_the_maximum()
 
     from shunter.config import parse_config
     from shunter.deployments.app import deployment_options
-    from shunter.deployments.model_server import ModelServer
+    from shunter.deployments.replica.model_server import ModelServer
     from shunter.serve_plan import ClusterView
 
     cfg = parse_config({"models": [{"name": "s", "source": "builtin:smollm2-135m-instruct",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shunter.config import RoutingConfig
-from shunter.ops.draining import RAY_KILL_MARGIN_S, DrainTracker, ray_shutdown_timeout_s
+from shunter.deployments.gateway.draining import RAY_KILL_MARGIN_S, DrainTracker, ray_shutdown_timeout_s
 from shunter.routing.state import DeploymentRouting
 from tests.unit.fake_clock import Clock
 

@@ -126,14 +126,14 @@ def test_the_event_a_replica_ends_a_faulted_stream_with_is_no_engine_failure_to_
     """What the gateway's relay reads from the replica's stream-ending event (a breaker failure or not)."""
     import json
 
-    from shunter.deployments.relay import engine_failure
-    from shunter.deployments.wire_formats import read_event, stream_error_event
+    from shunter.deployments.gateway.relay import engine_failure
+    from shunter.endpoints import ENDPOINTS
     from shunter.engine import REQUEST_FAULT_CODE
 
     def in_band(text: str) -> dict[str, Any] | None:
         if endpoint in ("chat", "completion"):
             return json.loads(text[len("data: "):])["error"]
-        return read_event(endpoint, text).error
+        return ENDPOINTS[endpoint].wire.read_event(text).error
 
-    assert engine_failure(in_band(stream_error_event(endpoint, "bad input", 400, REQUEST_FAULT_CODE))) is None
-    assert engine_failure(in_band(stream_error_event(endpoint, "engine died", 500, "engine_error"))) is not None
+    assert engine_failure(in_band(ENDPOINTS[endpoint].wire.error_event("bad input", 400, REQUEST_FAULT_CODE))) is None
+    assert engine_failure(in_band(ENDPOINTS[endpoint].wire.error_event("engine died", 500, "engine_error"))) is not None

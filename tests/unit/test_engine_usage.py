@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from shunter.engine_protocol import BaseEngine
 from shunter.engine_usage import Tally, counting, request_tally
 
 pytestmark = pytest.mark.unit
@@ -169,8 +170,10 @@ def test_a_cancelled_request_closes_the_engines_generator_so_vllm_aborts_it():
 
 # ---- the replica: its heartbeats carry the counts, and its cancellation cancels the engine's work -------
 
-class CountingEngine:
-    """Computes a whole chat for a long time, one step every 10 ms, 2 tokens a step; counts like VLLMEngine."""
+class CountingEngine(BaseEngine):
+    """A fake engine, and only the part of one `ModelServer._serve` calls here (its other members are
+    shunter.engine_protocol's BaseEngine defaults): computes a whole chat for a long time, one step every
+    10 ms, 2 tokens a step; counts like VLLMEngine."""
 
     def __init__(self) -> None:
         self.steps, self.aborted = 0, False
@@ -197,7 +200,7 @@ class CountingEngine:
 def test_a_whole_replys_heartbeats_carry_its_tokens_and_closing_the_call_aborts_the_work(monkeypatch):
     from types import SimpleNamespace
 
-    from shunter.deployments import model_server
+    from shunter.deployments.replica import model_server
     from shunter.replica_protocol import Accepted, ReplicaRequest, Working
 
     monkeypatch.setattr(model_server, "_PROGRESS_S", 0.05)

@@ -1,7 +1,9 @@
 """The forward pipeline, whole replies and streams, end to end in one process: the real Forwarder, door,
 body reader, serving state, relay and RequestEnd, in front of a stand-in replica (a recording handle whose
 stream speaks the replica protocol) and a recording traffic record. What is checked is what each ending
-leaves behind: the version's outcome for rollouts, the admission slot, the routers' in-flight count."""
+leaves behind: the version's outcome for rollouts, the admission slot, the routers' in-flight count; and
+that a refusal is the endpoint's own response, in its API's error envelope. (Every ending, for every
+endpoint, is enumerated in tests/unit/test_request_end.py.)"""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import pytest
 from starlette.requests import Request
 
 from shunter.config import parse_config
-from shunter.deployments.access import AccessControl, Ticket
-from shunter.deployments.adapters import LiveAdapters
-from shunter.deployments.forward import Forwarder
-from shunter.deployments.request_body import BodyReader
-from shunter.deployments.serving_state import ServingState
-from shunter.replica_protocol import Accepted, Working
+from shunter.deployments.gateway.access import AccessControl, Ticket
+from shunter.deployments.gateway.forward import Forwarder
+from shunter.deployments.gateway.lora import LiveAdapters
+from shunter.deployments.gateway.request_body import BodyReader
+from shunter.deployments.gateway.serving_state import ServingState
+from shunter.endpoints import CHAT, MESSAGES, Endpoint
+from shunter.replica_protocol import Accepted, ReplyHead, Working
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +31,8 @@ TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":{"promp
 
 
 class ReplicaStream:
+    """A replica's answer: `items` in order (an exception instance is raised where it stands), then its end."""
+
     def __init__(self, items: list[Any]):
         self.items, self.cancelled = items, False
 
@@ -37,7 +42,10 @@ class ReplicaStream:
     async def __anext__(self) -> Any:
         if not self.items:
             raise StopAsyncIteration
-        return self.items.pop(0)
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -61,10 +69,9 @@ class Replica:
 
     def remote(self, request: Any) -> ReplicaStream:
         self.routing.dispatched("replica-1", request.request_id)
-        head = {"status": 200, "body": None, "stream": True} if request.body.get("stream") is True else \
-            {"status": 200, "body": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
-             "stream": False}
-        rest = [TOKEN, "data: [DONE]\n\n"] if head["stream"] else []
+        head = ReplyHead(200, None, True) if request.body.get("stream") is True else \
+            ReplyHead(200, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+        rest = [TOKEN, "data: [DONE]\n\n"] if head.stream else []
         return ReplicaStream([Accepted("replica-1"), head, *rest])
 
 
@@ -77,11 +84,11 @@ class Traffic:
     def serving(self, model: Any) -> list[str]:
         return ["default"]
 
-    def record(self, model: Any, version: str, ok: bool, ttft_s: Any, e2e_s: Any) -> None:
+    def record_request(self, model: Any, adapter: Any, version: str, ok: bool, ttft_s: Any, e2e_s: Any) -> None:
         self.records.append((version, ok))
 
 
-def _request(body: dict[str, Any]) -> Request:
+def _request(body: dict[str, Any], path: str = "/v1/chat/completions") -> Request:
     raw = json.dumps(body).encode()
     sent = False
 
@@ -92,7 +99,7 @@ def _request(body: dict[str, Any]) -> Request:
         sent = True
         return {"type": "http.request", "body": raw, "more_body": False}
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
     return Request(scope, receive)
 
@@ -102,13 +109,18 @@ def pipeline() -> tuple[Forwarder, Replica, Traffic]:
     return build_pipeline()
 
 
-def build_pipeline() -> tuple[Forwarder, Replica, Traffic]:
-    replica, traffic = Replica(), Traffic()
-    state = ServingState(CONFIG, {"m": {"default": replica}}, traffic)  # type: ignore[arg-type]
-    forwarder = Forwarder(CONFIG, AccessControl(CONFIG), BodyReader(CONFIG.gateway), state,
-                          traffic, None, LiveAdapters(CONFIG))  # type: ignore[arg-type]
-    replica.routing = state.routing(MODEL, "default")
-    return forwarder, replica, traffic
+def build_pipeline(config: Any = CONFIG, replicas: dict[str, Replica] | None = None) \
+        -> tuple[Forwarder, Replica, Traffic]:
+    """The real Forwarder in front of stand-in replicas (`replicas`: model name -> its one replica, the
+    first one returned; by default model `m`'s `Replica`)."""
+    replicas = replicas or {"m": Replica()}
+    traffic = Traffic()
+    state = ServingState(config, {name: {"default": r} for name, r in replicas.items()}, traffic)  # type: ignore[arg-type]
+    forwarder = Forwarder(config, AccessControl(config), BodyReader(config.gateway), state,
+                          traffic, None, LiveAdapters(config))  # type: ignore[arg-type]
+    for name, replica in replicas.items():
+        replica.routing = state.routing(config.find_model(name), "default")
+    return forwarder, next(iter(replicas.values())), traffic
 
 
 def _body(**extra: Any) -> dict[str, Any]:
@@ -117,7 +129,7 @@ def _body(**extra: Any) -> dict[str, Any]:
 
 def test_a_whole_reply_records_the_versions_success_and_gives_everything_back(pipeline):
     forwarder, replica, traffic = pipeline
-    response = asyncio.run(forwarder.forward(_request(_body()), "chat"))
+    response = asyncio.run(forwarder.forward(_request(_body()), CHAT))
     assert response.status_code == 200 and response.headers["x-shunter-replica"] == "replica-1"
     assert traffic.records == [("default", True)], "a whole reply counts for the version's gates"
     assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
@@ -127,7 +139,7 @@ def test_a_stream_records_the_versions_success_when_its_relay_ends(pipeline):
     forwarder, replica, traffic = pipeline
 
     async def run() -> str:
-        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        response = await forwarder.forward(_request(_body(stream=True)), CHAT)
         return "".join([chunk async for chunk in response.body_iterator])
 
     text = asyncio.run(run())
@@ -171,7 +183,7 @@ def test_a_client_that_leaves_a_whole_reply_stops_the_replica_and_is_charged_wha
                         settled.append((str(status), prompt, completion)))
 
     async def run() -> None:
-        task = asyncio.ensure_future(forwarder.forward(_request(_body()), "chat"))
+        task = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
         await asyncio.sleep(0.1)  # taken, and its progress reported: the reply is being computed
         assert replica.routing.load("replica-1") == 1 and forwarder.state.gate(MODEL).admitted == 1
         task.cancel()
@@ -183,3 +195,36 @@ def test_a_client_that_leaves_a_whole_reply_stops_the_replica_and_is_charged_wha
     assert settled == [("499", 35, 12)]
     assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
     assert traffic.records == [], "a client leaving says nothing about the version"
+
+
+class UnavailableReplica(Replica):
+    """A replica whose call fails before it takes the request (no replica running, deployment failed)."""
+
+    def remote(self, request: Any) -> ReplicaStream:
+        self.routing.dispatched("replica-1", request.request_id)
+        return ReplicaStream([RuntimeError("no replica")])
+
+
+def _messages_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], **extra}
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [(CHAT, _body), (MESSAGES, _messages_body)])
+def test_a_refusal_is_returned_in_the_endpoints_envelope_and_holds_nothing(endpoint: Endpoint, body):
+    """Refusals are responses, not exceptions: at the door (an unknown model: 404, before any RequestEnd
+    exists) and after it (no replica could take the request: 503, settled and counted against the version)."""
+    forwarder, replica, traffic = build_pipeline(replicas={"m": UnavailableReplica()})
+    unknown = asyncio.run(forwarder.forward(_request(body(model="nope"), endpoint.path), endpoint))
+    unavailable = asyncio.run(forwarder.forward(_request(body(), endpoint.path), endpoint))
+    for response, status, openai_code in ((unknown, 404, "model_not_found"), (unavailable, 503, "model_unavailable")):
+        assert response.status_code == status
+        error = json.loads(bytes(response.body))
+        if endpoint is MESSAGES:  # Anthropic's envelope
+            assert error["type"] == "error" and error["error"]["type"] == \
+                {404: "not_found_error", 503: "overloaded_error"}[status]
+        else:
+            assert error["error"]["code"] == openai_code
+    assert unavailable.headers["retry-after"] == "5"
+    assert traffic.records == [("default", False)], "the version could not take it"
+    assert forwarder.state.gate(MODEL).admitted == 0 and forwarder.state.dispatch(MODEL).dispatched == 0
+    assert replica.routing.load("replica-1") == 0

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shunter.deployments.request_body import _SURROGATE_ESCAPE, lone_surrogate_at
+from shunter.deployments.gateway.request_body import _SURROGATE_ESCAPE, lone_surrogate_at
 from shunter.errors import ApiError, error_body
 
 

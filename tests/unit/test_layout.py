@@ -4,9 +4,12 @@ themselves are checked on the installed layout (tests/unit/test_packaging.py).""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +40,19 @@ def test_every_module_of_shunter_is_in_a_room():
     children |= {"shunter.deployments", "shunter.routing", "shunter.ops"}
     assert children - rooms == core, f"not in a room: {sorted(children - rooms - core)}; " \
                                      f"listed but gone: {sorted(core - (children - rooms))}"
+
+
+@pytest.mark.parametrize("room", ["routing", "ops", "deployments"])
+def test_a_room_imports_only_under_shunter(room):
+    """From the repository root (where a script or `python -c` puts the folder on sys.path) a room's folder
+    is also a top-level package: imported bare, it would be a second copy of every module (two routing
+    states, two metric registries). Each room refuses that, and imports as shunter.<room>."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([sys.executable, "-c", f"import {room}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert bare.returncode != 0, f"`import {room}` from the repository root worked"
+    assert f"ImportError: import shunter.{room}, not {room}: the same file under two names is two modules" \
+        in bare.stderr, bare.stderr
+    proper = subprocess.run([sys.executable, "-c", f"import shunter.{room} as m; print(m.__name__)"], cwd=ROOT,
+                            env=env, capture_output=True, text=True)
+    assert proper.returncode == 0 and proper.stdout.strip() == f"shunter.{room}", proper.stderr

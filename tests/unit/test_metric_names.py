@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-MODULES = ["shunter.deployments.telemetry", "shunter.deployments.access", "shunter.deployments.tiering",
-           "shunter.deployments.replica_telemetry", "shunter.routing.metrics"]
+MODULES = ["shunter.deployments.gateway.telemetry", "shunter.deployments.gateway.access", "shunter.deployments.gateway.tiering",
+           "shunter.deployments.replica.telemetry", "shunter.routing.metrics"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from shunter.ops.panels.render import dashboard_variables, display_title, format_value, legend, step_times
-from shunter.ops.panels.variables import VariableError, grafana_rate_interval, interpolate
+from shunter.cli.demo.panels.render import (
+    dashboard_variables,
+    display_title,
+    format_value,
+    legend,
+    step_times,
+)
+from shunter.cli.demo.panels.variables import VariableError, grafana_rate_interval, interpolate
 
 # ---- Grafana variables ------------------------------------------------------------------------------------
 

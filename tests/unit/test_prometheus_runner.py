@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shunter.ops.prometheus import PrometheusMissing, prometheus_binary
+from shunter.cli.demo.prometheus import PrometheusMissing, prometheus_binary
 
 
 def test_a_missing_prometheus_says_how_to_install_it(monkeypatch):

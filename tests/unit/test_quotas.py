@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from shunter.config import parse_config
-from shunter.deployments.access import AccessControl
-from shunter.deployments.parsed_request import parse
+from shunter.deployments.gateway.access import AccessControl
+from shunter.deployments.gateway.parsed_request import parse
+from shunter.deployments.gateway.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens
+from shunter.endpoints import ENDPOINTS
 from shunter.errors import ApiError
-from shunter.ops.quotas import KeyQuota, TokenBucket, duration, estimate_prompt_tokens
 
 from .fake_clock import Clock
 
@@ -133,7 +134,7 @@ def test_a_key_over_its_token_budget_gets_429_while_another_key_is_served():
     clock = Clock()
     access = door(clock)
     a, b = access.client({"authorization": f"Bearer {KEYS['A']}"}), access.client({"authorization": f"Bearer {KEYS['B']}"})
-    body = parse("chat", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40})
+    body = parse(ENDPOINTS["chat"], {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40})
     first = access.admit(a, "chat", body)  # reserves 7 (prompt estimate) + 40 of 100
     assert first.reserved == 47
     first.settle(200, 30, 40)  # used 70: 30 left, less than the next reservation
@@ -153,7 +154,7 @@ def test_a_request_no_budget_can_hold_is_refused_with_its_reason():
     access = door(Clock())
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
     with pytest.raises(ApiError) as caught:
-        access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 500}))
+        access.admit(a, "chat", parse(ENDPOINTS["chat"], {"messages": [], "max_tokens": 500}))
     assert caught.value.code == "request_exceeds_quota" and "Retry-After" not in caught.value.headers
 
 
@@ -161,7 +162,7 @@ def test_a_failed_request_gives_its_reservation_back():
     clock = Clock()
     access = door(clock)
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
-    ticket = access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 90}))
+    ticket = access.admit(a, "chat", parse(ENDPOINTS["chat"], {"messages": [], "max_tokens": 90}))
     ticket.settle(503, 0, 0)
     ticket.settle(503, 0, 0)  # settling twice changes nothing
     assert access._quota(a).tokens.remaining() == 100
@@ -179,27 +180,27 @@ def test_a_failed_request_gives_its_reservation_back():
 def test_a_reservation_covers_every_choice_and_prompt_at_the_parsed_values(endpoint, body, reserved):
     access = door(Clock())
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
-    assert access.admit(a, "chat", parse(endpoint, body)).reserved == reserved
+    assert access.admit(a, "chat", parse(ENDPOINTS[endpoint], body)).reserved == reserved
 
 
 def test_a_chat_without_max_tokens_reserves_the_default_the_replica_applies_within_the_budget():
     access = door(Clock())  # 100 tokens a minute; the platform's default max_tokens is 4096
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
-    ticket = access.admit(a, "chat", parse("chat", {"messages": [{"role": "user", "content": "hello"}]}), 2048)
+    ticket = access.admit(a, "chat", parse(ENDPOINTS["chat"], {"messages": [{"role": "user", "content": "hello"}]}), 2048)
     assert ticket.default_max_tokens == 100 - 7  # what the budget holds beside the prompt
     assert ticket.reserved == 100  # the whole budget: a second such request waits
     b = access.client({"authorization": f"Bearer {KEYS['B']}"})  # no quota: the limit and the context
-    assert access.admit(b, "chat", parse("chat", {"messages": []}), 2048).default_max_tokens == 2048
+    assert access.admit(b, "chat", parse(ENDPOINTS["chat"], {"messages": []}), 2048).default_max_tokens == 2048
 
 
 def test_a_stream_cut_short_is_charged_what_it_produced_and_its_prompt():
     clock = Clock()
     access = door(clock)
     a = access.client({"authorization": f"Bearer {KEYS['A']}"})
-    ticket = access.admit(a, "chat", parse("chat", {"messages": [{"role": "user", "content": "hello"}],
+    ticket = access.admit(a, "chat", parse(ENDPOINTS["chat"], {"messages": [{"role": "user", "content": "hello"}],
                                                     "max_tokens": 90}))
     ticket.settle(499, 0, 0)  # the client hung up before any usage arrived: its prompt estimate is kept
     assert access._quota(a).tokens.remaining() == 100 - 7
-    ticket = access.admit(a, "chat", parse("chat", {"messages": [], "max_tokens": 50}))
+    ticket = access.admit(a, "chat", parse(ENDPOINTS["chat"], {"messages": [], "max_tokens": 50}))
     ticket.settle("stream_error", 3, 40)
     assert access._quota(a).tokens.remaining() == 100 - 7 - 43

@@ -1,5 +1,5 @@
 """Draining one replica: the cordon kept in the control state, the router guard that honours it, the
-replica's retirement through its health check, and drains that race (shunter.deployments.replica_admin): two at
+replica's retirement through its health check, and drains that race (shunter.deployments.gateway.replica_admin): two at
 once through one gateway, through two gateways, and a release during a drain."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from shunter.config import RoutingConfig
-from shunter.deployments.model_server import ModelServer
-from shunter.deployments.replica_admin import ReplicaAdmin
+from shunter.deployments.gateway.replica_admin import ReplicaAdmin
+from shunter.deployments.replica.model_server import ModelServer
 from shunter.errors import ApiError
 from shunter.ops.control import ShunterControl, cordoned, with_cordon
 from shunter.routing.routers import LeastConnectionsRouter

@@ -8,11 +8,12 @@ import pytest
 
 from shunter.config import BreakerConfig, ConfigError, RoutingConfig, parse_config
 from shunter.deployments.app import request_router_config
+from shunter.ray_compat import POWER_OF_TWO_ROUTER
 from shunter.routing.routers import ShunterGuard
 
 SMOL = {"name": "smol", "source": "builtin:smollm2-135m-instruct"}
 MINI = {"name": "mini", "source": "builtin:all-minilm-l6-v2", "task": "embed"}
-POW2 = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
+POW2 = POWER_OF_TWO_ROUTER  # Ray's own router, by import path: a custom router a user could name
 
 
 def _model(base=SMOL, **overrides):

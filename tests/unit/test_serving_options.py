@@ -10,11 +10,13 @@ import pytest
 
 from shunter.chat_templates import CHATML_TOOLS, SMOLLM2_SYSTEM
 from shunter.config import ModelConfig, ServingConfig, format_config_error, parse_config
-from shunter.deployments.forward import check_serving
-from shunter.deployments.parsed_request import parse
-from shunter.deployments.telemetry import RequestTelemetry
-from shunter.deployments.wire_formats import anthropic_error, read_event, stream_error_event, whole_usage
+from shunter.deployments.gateway.context import Usage
+from shunter.deployments.gateway.forward import check_serving
+from shunter.deployments.gateway.parsed_request import parse
+from shunter.deployments.gateway.stream_filter import StreamFilter
+from shunter.endpoints import ENDPOINTS, ParsedRequest
 from shunter.errors import ApiError
+from shunter.wire_formats import anthropic_error, whole_usage
 
 pytestmark = pytest.mark.unit
 
@@ -154,7 +156,7 @@ def test_tools_calls_and_results_render_in_the_format_the_hermes_parser_reads():
 # ---- the gateway's reading of the agent APIs ----------------------------------------------------------------
 
 def test_a_responses_body_is_read_for_limits_quotas_and_tools():
-    parsed = parse("responses", {"model": "m", "input": [{"role": "user", "content": "hi"}] * 2,
+    parsed = parse(ENDPOINTS["responses"], {"model": "m", "input": [{"role": "user", "content": "hi"}] * 2,
                                  "max_output_tokens": "500", "stream": "true", "tools": [
                                      {"type": "function", "name": "f", "parameters": {"type": "object"}}]})
     assert (parsed.max_tokens, parsed.stream, len(parsed.messages), parsed.tool_choice) == (500, True, 2, "auto")
@@ -165,18 +167,18 @@ def test_a_responses_body_is_read_for_limits_quotas_and_tools():
 def test_responses_state_is_refused_naming_the_field(field, value):
     extra = {"store": True} if field == "background" else {}
     with pytest.raises(ApiError) as refused:
-        parse("responses", {"model": "m", "input": "hi", field: value, **extra})
+        parse(ENDPOINTS["responses"], {"model": "m", "input": "hi", field: value, **extra})
     assert (refused.value.status, refused.value.param, refused.value.code) == (400, field, "unsupported_parameter")
 
 
 def test_a_messages_body_reads_as_the_chat_request_it_becomes():
     body = {"model": "m", "max_tokens": 7, "system": "s", "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "f"}}
-    parsed = parse("messages", body)
+    parsed = parse(ENDPOINTS["messages"], body)
     assert (parsed.max_tokens, parsed.tool_choice, len(parsed.tools)) == (7, "named", 1)
-    assert parse("messages", {**body, "tool_choice": {"type": "any"}}).tool_choice == "required"
+    assert parse(ENDPOINTS["messages"], {**body, "tool_choice": {"type": "any"}}).tool_choice == "required"
     with pytest.raises(ApiError) as refused:
-        parse("messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        parse(ENDPOINTS["messages"], {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert refused.value.status == 400 and "max_tokens" in str(refused.value.body())
 
 
@@ -188,29 +190,29 @@ def test_a_messages_body_reads_as_the_chat_request_it_becomes():
                   "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
 ])
 def test_tools_on_a_model_without_a_parser_get_a_400_naming_the_config_field(endpoint, body):
-    parsed = parse(endpoint, {"model": "chat", **body})
+    parsed = parse(ENDPOINTS[endpoint], {"model": "chat", **body})
     with pytest.raises(ApiError) as refused:
-        check_serving(_model(tool_call_parser=None), endpoint, parsed)
+        check_serving(_model(tool_call_parser=None), parsed)
     assert refused.value.status == 400 and "serving.tool_call_parser" in refused.value.message
-    check_serving(_model(), endpoint, parsed)  # the builtin's own parser serves them
-    none = parse(endpoint, {"model": "chat", **body, "tool_choice": {"type": "none"} if endpoint == "messages"
+    check_serving(_model(), parsed)  # the builtin's own parser serves them
+    none = parse(ENDPOINTS[endpoint], {"model": "chat", **body, "tool_choice": {"type": "none"} if endpoint == "messages"
                             else "none"})
-    check_serving(_model(tool_call_parser=None), endpoint, none)  # tools the model may not call: fine
+    check_serving(_model(tool_call_parser=None), none)  # tools the model may not call: fine
 
 
 def test_auto_tool_choice_turned_off_names_its_field_and_the_forced_choices_still_work():
     model = _model(enable_auto_tool_choice=False)
     chat = {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
     with pytest.raises(ApiError) as refused:
-        check_serving(model, "chat", parse("chat", chat))
+        check_serving(model, parse(ENDPOINTS["chat"], chat))
     assert refused.value.param == "tool_choice" and "serving.enable_auto_tool_choice" in refused.value.message
-    check_serving(model, "chat", parse("chat", {**chat, "tool_choice": "required"}))
+    check_serving(model, parse(ENDPOINTS["chat"], {**chat, "tool_choice": "required"}))
 
 
 def test_an_embedding_model_refuses_the_agent_endpoints():
     embed = ModelConfig.model_validate({"name": "e", "task": "embed", "source": "builtin:all-minilm-l6-v2"})
     with pytest.raises(ApiError) as refused:
-        check_serving(embed, "responses", parse("responses", {"model": "e", "input": "x"}))
+        check_serving(embed, parse(ENDPOINTS["responses"], {"model": "e", "input": "x"}))
     assert refused.value.code == "model_not_supported"
 
 
@@ -221,34 +223,35 @@ def _sse(kind: str, data: str) -> str:
 
 
 def test_responses_events_give_token_deltas_and_the_final_usage():
-    delta = read_event("responses", _sse("response.output_text.delta", '{"type":"response.output_text.delta","delta":"a"}'))
+    delta = ENDPOINTS["responses"].wire.read_event(_sse("response.output_text.delta", '{"type":"response.output_text.delta","delta":"a"}'))
     assert delta.token and delta.prompt_tokens is None
-    done = read_event("responses", _sse("response.completed", '{"type":"response.completed","response":'
+    done = ENDPOINTS["responses"].wire.read_event(_sse("response.completed", '{"type":"response.completed","response":'
                                         '{"usage":{"input_tokens":12,"output_tokens":5}}}'))
     assert (done.prompt_tokens, done.completion_tokens, done.token) == (12, 5, False)
-    error = read_event("responses", _sse("error", '{"type":"error","code":"x","message":"boom"}'))
+    error = ENDPOINTS["responses"].wire.read_event(_sse("error", '{"type":"error","code":"x","message":"boom"}'))
     assert error.error == {"message": "boom", "code": "x"}
 
 
 def test_messages_events_give_prompt_tokens_first_and_completion_tokens_last():
-    start = read_event("messages", _sse("message_start", '{"type":"message_start","message":{"usage":'
+    start = ENDPOINTS["messages"].wire.read_event(_sse("message_start", '{"type":"message_start","message":{"usage":'
                                         '{"input_tokens":9,"output_tokens":0}}}'))
     assert (start.prompt_tokens, start.completion_tokens) == (9, None)
-    assert read_event("messages", _sse("content_block_delta", '{"type":"content_block_delta"}')).token
-    end = read_event("messages", _sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}'))
+    assert ENDPOINTS["messages"].wire.read_event(_sse("content_block_delta", '{"type":"content_block_delta"}')).token
+    end = ENDPOINTS["messages"].wire.read_event(_sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}'))
     assert end.completion_tokens == 4
-    assert read_event("messages", "event: ping\ndata: not json\n\n") == read_event("messages", "")
+    assert ENDPOINTS["messages"].wire.read_event("event: ping\ndata: not json\n\n") == ENDPOINTS["messages"].wire.read_event("")
 
 
 def test_a_typed_stream_cut_short_is_settled_at_the_deltas_it_relayed_then_at_the_engines_usage():
-    tel = RequestTelemetry("m", "messages", {}, "r")
-    tel.chunk(_sse("message_start", '{"type":"message_start","message":{"usage":{"input_tokens":9}}}'))
+    usage, tokens = Usage(), []
+    chunks = StreamFilter(ParsedRequest(ENDPOINTS["messages"], {}), usage, tokens.append)
+    chunks.chunk(_sse("message_start", '{"type":"message_start","message":{"usage":{"input_tokens":9}}}'))
     for _ in range(3):
-        tel.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
-    assert (tel.prompt_tokens, tel.completion_tokens) == (9, 3)
-    tel.chunk(_sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}'))
-    tel.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
-    assert tel.completion_tokens == 4 and tel.first_token_at is not None
+        chunks.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (9, 3)
+    chunks.chunk(_sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}'))
+    chunks.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
+    assert usage.completion_tokens == 4 and len(tokens) == 4
 
 
 def test_whole_replies_usage_in_every_shape():
@@ -261,10 +264,10 @@ def test_errors_in_anthropics_shape():
     assert anthropic_error({"error": {"message": "no", "code": "rate_limit_exceeded"}}, 429) == \
         {"type": "error", "error": {"type": "rate_limit_error", "message": "no"}}
     assert anthropic_error({"detail": "x"}, 403)["error"]["type"] == "permission_error"
-    assert stream_error_event("messages", "broke", 503, "stream_interrupted").startswith("event: error\ndata: ")
-    assert '"type": "overloaded_error"' in stream_error_event("messages", "broke", 503, "stream_interrupted")
-    assert stream_error_event("chat", "broke", 503, "stream_interrupted").startswith('data: {"error"')
-    assert '"code": "stream_interrupted"' in stream_error_event("responses", "broke", 503, "stream_interrupted")
+    assert ENDPOINTS["messages"].wire.error_event("broke", 503, "stream_interrupted").startswith("event: error\ndata: ")
+    assert '"type": "overloaded_error"' in ENDPOINTS["messages"].wire.error_event("broke", 503, "stream_interrupted")
+    assert ENDPOINTS["chat"].wire.error_event("broke", 503, "stream_interrupted").startswith('data: {"error"')
+    assert '"code": "stream_interrupted"' in ENDPOINTS["responses"].wire.error_event("broke", 503, "stream_interrupted")
 
 
 # ---- reasoning -------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from shunter.config import ConfigError, parse_config
-from shunter.deployments.telemetry import choice_text
-from shunter.deployments.tiering import MONITOR_MAX_TOKENS, Tiering
+from shunter.deployments.gateway.tiering import MONITOR_MAX_TOKENS, Tiering, choice_text
+from shunter.endpoints import CHAT, EMBEDDING, ENDPOINTS
 from shunter.routing.tiers import AgreementMonitor, NoTierAllowed, Tier, TierRouter, cosine, features
 
 from .fake_clock import Clock
@@ -152,7 +152,7 @@ def test_bad_tier_configs_name_the_problem(tiers, words):
 
 def test_the_gateway_side_resolves_aliases_explains_and_prices():
     tiering = Tiering(tiers_config(), rng=random.Random(0))
-    decision = tiering.classify("chat", CODE, {}, lambda model: True)
+    decision = tiering.classify(CHAT, CODE, {}, lambda model: True)
     assert decision.tier.model == "big"  # the alias `large` resolved
     headers = tiering.headers(decision)
     assert headers["x-shunter-tier"] == "large" and "class=code" in headers["x-shunter-tier-reason"]
@@ -165,21 +165,21 @@ def test_requests_the_tier_name_cannot_serve_are_refused_clearly(endpoint, heade
     from shunter.errors import ApiError
 
     with pytest.raises(ApiError) as caught:
-        Tiering(tiers_config()).classify(endpoint, SIMPLE, headers, lambda model: True)
+        Tiering(tiers_config()).classify(ENDPOINTS[endpoint], SIMPLE, headers, lambda model: True)
     assert caught.value.status == status
 
 
 def test_the_monitor_samples_only_lower_tiers_at_its_ratio_and_promotes_through_the_gateway_side():
     tiering = Tiering(tiers_config(monitor={"sample_ratio": 0.5, "embedding_model": "minilm", "min_samples": 2,
                                             "agreement_threshold": 0.9}), rng=random.Random(1))
-    small = tiering.classify("chat", SIMPLE, {}, lambda model: True)
-    large = tiering.classify("chat", CODE, {}, lambda model: True)
+    small = tiering.classify(CHAT, SIMPLE, {}, lambda model: True)
+    large = tiering.classify(CHAT, CODE, {}, lambda model: True)
     picks = [tiering.sampled(small) for _ in range(1000)]
     assert 400 < sum(picks) < 600 and not any(tiering.sampled(large) for _ in range(100))
     tiering.record_agreement(small, 0.5)
     tiering.record_agreement(small, 0.6)
     assert tiering.status()["promotions"] == {"simple": "large"}
-    assert tiering.classify("chat", SIMPLE, {}, lambda model: True).reason == "promoted"
+    assert tiering.classify(CHAT, SIMPLE, {}, lambda model: True).reason == "promoted"
 
 
 def test_the_judge_asks_both_tiers_greedily_at_its_own_length_then_the_embedding_model():
@@ -190,20 +190,20 @@ def test_the_judge_asks_both_tiers_greedily_at_its_own_length_then_the_embedding
 
     async def ask(model, endpoint, body):
         asked.append((model, endpoint, body))
-        if endpoint == "embedding":
+        if endpoint is EMBEDDING:
             return {"data": [{"embedding": [1.0, 0.0]}, {"embedding": [1.0, 1.0]}]}
         return {"choices": [{"message": {"content": "Paris" if model == "smol" else "Paris."}}]}
 
-    decision = tiering.classify("chat", SIMPLE, {}, lambda model: True)
+    decision = tiering.classify(CHAT, SIMPLE, {}, lambda model: True)
     # A client's sampling choices (here: wild ones) never reach the comparison.
     body = {**SIMPLE, "model": "smol", "stream": True, "temperature": 2, "seed": 3, "max_tokens": 1,
             "logit_bias": {"9": 100}, "top_p": 0.1}
-    agreement = asyncio.run(tiering.judge(decision, "chat", body, ask))
+    agreement = asyncio.run(tiering.judge(decision, CHAT, body, ask))
     assert agreement == pytest.approx(0.7071, abs=1e-3)
     served, reference, (embed, _, vectors) = asked
     assert (served[0], reference[0], embed) == ("smol", "big", "minilm")
     for _, endpoint, question in (served, reference):
-        assert endpoint == "chat"
+        assert endpoint is CHAT
         assert question == {"messages": SIMPLE["messages"], "model": question["model"], "temperature": 0,
                             "max_tokens": MONITOR_MAX_TOKENS}
     assert vectors["input"] == ["Paris", "Paris."]

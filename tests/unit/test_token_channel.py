@@ -15,9 +15,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shunter.deployments.replica_call import DrainTimeout, RequestDeadline, StreamIdle, next_chunk
+from shunter.deployments.gateway.replica_stream import DrainTimeout, RequestDeadline, StreamIdle, next_chunk
 from shunter.deployments.token_channel import HELLO, ChannelLost, GatewayChannels, ReplicaChannel
-from shunter.replica_protocol import Accepted, Moved
+from shunter.endpoints import CHAT
+from shunter.replica_protocol import Accepted, Moved, ReplyHead
 from tests.unit.test_forward import MODEL, TOKEN, Replica, _body, _request, build_pipeline
 
 pytestmark = pytest.mark.unit
@@ -120,7 +121,7 @@ class MovingReplica(Replica):
 
     async def _serve(self, request: Any):
         yield Accepted("replica-1", self.channel.address)
-        yield {"status": 200, "body": None, "stream": True}
+        yield ReplyHead(200, None, True)
         yield TOKEN
         await _until(lambda: self.channel.ready(request.channel))
         yield Moved()
@@ -165,7 +166,7 @@ def _moving(pipeline, **kind: bool) -> tuple[Any, MovingReplica]:
 async def _stream_through(forwarder: Any, moving: MovingReplica) -> str:
     """A streamed chat through the real Forwarder to the moving replica: what the client received."""
     moving.channel = ReplicaChannel("127.0.0.1")
-    response = await forwarder.forward(_request(_body(stream=True)), "chat")
+    response = await forwarder.forward(_request(_body(stream=True)), CHAT)
     text = "".join([chunk async for chunk in response.body_iterator])
     moving.channel.close()
     return text
@@ -198,7 +199,7 @@ def test_a_client_leaving_a_moved_stream_cancels_the_replicas_work_and_closes_th
 
     async def run() -> None:
         moving.channel = ReplicaChannel("127.0.0.1")
-        response = await forwarder.forward(_request(_body(stream=True)), "chat")
+        response = await forwarder.forward(_request(_body(stream=True)), CHAT)
         body = response.body_iterator
         for _ in range(4):
             await body.__anext__()

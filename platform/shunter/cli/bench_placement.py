@@ -6,7 +6,7 @@ shared cluster is after other replicas come and go; then one multi-stage replica
 - plain PACK: one one-GPU bundle per rank in one PACK group, what vLLM's Ray executor and Ray Serve LLM
   request. Ray fills nodes greedily, so a stage's ranks can land on two nodes (tensor-parallel
   all-reduces over the network instead of NVLink, every layer);
-- Shunter's stage-first reservation (deployments/engine_placement.reserve_stages): a stage never splits;
+- Shunter's stage-first reservation (deployments/replica/placement.reserve_stages): a stage never splits;
   where no node can hold a whole stage, the replica waits for capacity instead.
 
 Writes results/placement.json and docs/benchmarks-placement.md. Reports; asserts nothing.
@@ -124,7 +124,7 @@ def _place_pack(layout: EngineLayout) -> str | None:
 def _place_staged(layout: EngineLayout) -> str | None:
     from ray.util.placement_group import placement_group_table
 
-    from shunter.deployments.engine_placement import PlacementTimeout, reserve_stages
+    from shunter.deployments.replica.placement import PlacementTimeout, reserve_stages
 
     try:
         group = asyncio.run(reserve_stages(layout, "bench", stage_wait_s=3, pin_wait_s=3, attempts=1))

@@ -128,7 +128,7 @@ def bench_tiers(config: Path, requests: int, concurrency: int) -> dict[str, Any]
 
     from shunter.cli.app_files import load_app_configs
     from shunter.deployments.app import assemble
-    from shunter.deployments.tiering import Tiering
+    from shunter.deployments.gateway.tiering import Tiering
     from shunter.local_serve import local_serve
 
     (_, cfg), *_ = load_app_configs(config)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from shunter.adapter_sources import check_remote_uri, is_remote
 from shunter.config.base import StrictModel
+from shunter.lora_sources import check_remote_uri, is_remote
 
 # One URL path segment: no `/` (a route cannot carry it), no `:` (`<base>:<adapter>` splits on it), never `.`
 # or `..` (clients and proxies fold dot segments), at most 128 characters.

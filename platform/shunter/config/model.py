@@ -226,7 +226,7 @@ class ModelConfig(StrictModel):
             raise ValueError("adapters: the model lists adapters or adapter_dirs, and its engine.enable_lora is "
                              "false")
         names = [a.name for a in self.adapters]
-        if len(names) > 1000:  # deployments/adapters.py MAX_ADAPTERS_PER_MODEL: it bounds a metric label
+        if len(names) > 1000:  # deployments/gateway/lora.py MAX_ADAPTERS_PER_MODEL: it bounds a metric label
             raise ValueError(f"adapters: {len(names)} listed; a model serves at most 1000")
         if len(set(names)) != len(names):
             raise ValueError(f"adapters: names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")

@@ -1,0 +1,108 @@
+"""Gateway: the HTTP ingress, a Ray Serve deployment in front of every model's ModelServer deployments.
+
+This module only wires one gateway replica together; each concern has its own module:
+- `api_app`: the FastAPI app and the one error shape for what no route answers; `openapi`: its document,
+  from the models that validate;
+- `openai_routes`, `admin_routes`, `lora_routes`: the routes, plain FastAPI functions that check the caller
+  and delegate (an API route names its endpoint's descriptor, `shunter.endpoints`);
+- `request_body`, `parsed_request`: reading and checking a body (size, time, JSON), then vLLM's model, once;
+- `context`: one request's typed context, from the door to its outcome;
+- `forward`: one API request's pipeline: the door's checks, route, admit, attempt, fail over;
+- `replica_call`, `replica_stream`: starting a request on one version's replicas, with failover, and every
+  wait for a replica's next item bounded;
+- `relay`, `stream_filter`: a started stream, to the client, and how it ends; what is read from and taken
+  out of its chunks;
+- `request_end`: the request's one `Outcome`, recorded once, and the hooks registered on it (the replica's
+  release, breaker, rollout, admission, telemetry, quota);
+- `serving_state`: per model and version, the routing state, admission gate, dispatch queue and drain
+  tracker (`admission`, `draining`); `access` and `quotas`: keys, limits and per-key budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from shunter import ray_compat
+from shunter.auth import open_public_bind
+from shunter.config import ShunterConfig
+from shunter.deployments.gateway import admin_routes, lora_routes, openai_routes, parsed_request
+from shunter.deployments.gateway.access import AccessControl
+from shunter.deployments.gateway.api_app import app
+from shunter.deployments.gateway.forward import Forwarder
+from shunter.deployments.gateway.lora import LiveAdapters
+from shunter.deployments.gateway.parts import GatewayParts
+from shunter.deployments.gateway.replica_admin import ReplicaAdmin
+from shunter.deployments.gateway.request_body import BodyReader
+from shunter.deployments.gateway.request_end import SettleUnsettled
+from shunter.deployments.gateway.serving_state import ServingState
+from shunter.deployments.gateway.tiering import Tiering
+from shunter.deployments.gateway.traffic import LiveVersions
+from shunter.ops.backlog import BacklogReporter
+from shunter.tracing import correlate_logs, setup_tracing
+
+log = logging.getLogger("ray.serve")
+
+app.include_router(openai_routes.router)
+app.include_router(admin_routes.router)
+app.include_router(lora_routes.router)
+app.add_middleware(SettleUnsettled)  # every request settles once, even one whose stream never started
+
+
+def _http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on (the Serve config's `http_options.host`). Ray has no
+    public call for it: `shunter.ray_compat.serve_http_host`."""
+    try:
+        return ray_compat.serve_http_host()
+    except Exception:  # noqa: BLE001 - outside a Serve cluster (unit tests): nothing to check
+        log.warning("could not read Serve's HTTP host; the keyless-public-bind check is skipped", exc_info=True)
+        return None
+
+
+def _report_backlog(reporter: BacklogReporter, depths: dict[str, int]) -> None:
+    try:
+        reporter.report(depths)
+    except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the next second tries again
+        log.warning("could not report the gateway's backlog to the autoscaler", exc_info=True)
+
+
+@serve.deployment
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
+        """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
+        cfg = ShunterConfig.model_validate(config)
+        refusal = open_public_bind(_http_host(), cfg.auth)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        access = AccessControl(cfg)  # reads the keys: a key that cannot be read stops us here
+        tiering = Tiering(cfg) if cfg.tiers else None
+        parsed_request.warm_up()  # vLLM's request models: imported once here, not by the first request
+        setup_tracing(cfg.observability.tracing, "gateway")
+        correlate_logs()
+        any_handle = next(iter(next(iter(model_servers.values())).values()))
+        backlog = BacklogReporter(any_handle.app_name, uuid.uuid4().hex)
+
+        def refreshed(control: dict[str, Any]) -> None:  # once a second, on the event loop
+            replicas.apply_cordons(control, cfg.models)
+            adapters.refresh(control)
+            # The autoscaling policy counts the requests waiting here (a blocking store write: off the loop).
+            asyncio.get_running_loop().run_in_executor(None, _report_backlog, backlog, state.backlog())
+
+        traffic = LiveVersions(any_handle.app_name, cfg,
+                               {m: {v: h.deployment_name for v, h in versions.items()}
+                                for m, versions in model_servers.items()}, on_refresh=refreshed)
+        state = ServingState(cfg, model_servers, traffic)
+        replicas = ReplicaAdmin(traffic, model_servers, state.routing)
+        body = BodyReader(cfg.gateway)
+        adapters = LiveAdapters(cfg)
+        self.parts = GatewayParts(
+            config=cfg, access=access, body=body, state=state, traffic=traffic, replicas=replicas,
+            forwarder=Forwarder(cfg, access, body, state, traffic, tiering, adapters), tiering=tiering,
+            adapters=adapters, servers=model_servers, created=int(time.time()))

@@ -1,0 +1,1 @@
+"""The replica side: the ModelServer deployment, one vLLM engine per replica."""
