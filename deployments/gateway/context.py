@@ -120,6 +120,7 @@ class RequestContext:
     adapter: AdapterRoute | None = None  # the LoRA adapter asked for, and its version under rollout
     tier: Decision | None = None  # `model: auto`: the tier chosen
     session: str | None = None  # the conversation (keeps its version)
+    priority_class: str = ""  # its flow-control class (shunter.deployments.gateway.priority); "" for our own
     engine_body: dict[str, Any] = field(default_factory=dict)  # the body as the engine gets it
     limits: RequestLimits = field(default_factory=RequestLimits)
     ticket: Any = None  # the caller's quota reservation (shunter.deployments.gateway.access.Ticket)

@@ -39,6 +39,7 @@ from shunter.deployments.gateway.context import (
 )
 from shunter.deployments.gateway.lora import Adapter, LiveAdapters
 from shunter.deployments.gateway.parsed_request import parse as parse_body
+from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
 from shunter.deployments.gateway.relay import relay
 from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed, not_taken
 from shunter.deployments.gateway.request_body import BodyReader, model_field, parse
@@ -74,6 +75,7 @@ class Forwarder:
         self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s,
                                   GatewayChannels() if config.gateway.token_channel else None)
         self.hooks = standard_hooks(traffic)  # what every request's outcome is told to
+        self.classes = PriorityClasses(config.flow_control)
 
     async def forward(self, request: Request, endpoint: Endpoint) -> Response:
         """One request of `endpoint`'s API, from the door to its reply; every refusal in the API's own
@@ -108,6 +110,7 @@ class Forwarder:
                                 base=model.name if adapter is not None else None)
         check_serving(model, parsed)
         self.access.check_limits(parsed)
+        priority_class = self.classes.resolve(caller, parsed, request.headers)
         session = _session(request, parsed.body)
         route = self.adapters.route(adapter, session) if adapter is not None else None
         # The engine knows the canonical name only (an adapter's version under rollout, its own).
@@ -115,7 +118,8 @@ class Forwarder:
         # Tenants' prompt caches apart: nothing cached for one key shows to another.
         salt = cache_salt(caller, parsed.body.get("cache_salt"))
         return RequestContext(endpoint, parsed, model, _request_id(), caller=caller, adapter=route, tier=tier,
-                              session=session, engine_body=engine_body(parsed, engine_name, salt))
+                              session=session, priority_class=priority_class,
+                              engine_body=engine_body(parsed, engine_name, salt))
 
     async def _serve(self, request: Request, end: RequestEnd) -> Response:
         """The quota, then the model's admission and the replicas, within the request timeout."""
@@ -140,7 +144,9 @@ class Forwarder:
         return self._with_headers(ctx, response)
 
     def _with_headers(self, ctx: RequestContext, response: Response) -> Response:
-        """The caller's rate-limit headers and the tier's, on every answer once the quota was asked."""
+        """The caller's rate-limit headers, its priority class and the tier's, on every answer once the quota
+        was asked."""
+        response.headers[PRIORITY_HEADER] = ctx.priority_class
         if ctx.ticket is not None:
             response.headers.update(ctx.ticket.headers)
         if ctx.tier is not None:

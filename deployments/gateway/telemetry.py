@@ -73,7 +73,8 @@ class RequestTelemetry:
         self.span = tracing.tracer().start_span(
             f"{operation} {self.model}", context=tracing.extract(headers), kind=SpanKind.SERVER,
             attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": self.model,
-                        "shunter.request_id": ctx.request_id, "http.route": ctx.endpoint.path})
+                        "shunter.request_id": ctx.request_id, "http.route": ctx.endpoint.path,
+                        "shunter.priority_class": ctx.priority_class})
         if log_prompt is not None:
             self.span.set_attribute("shunter.prompt", log_prompt[:4096])
         route = ctx.adapter

@@ -33,9 +33,11 @@ FULL, CHAT_ONLY, BUDGET, PACED, ADMIN = new_key(), new_key(), new_key(), new_key
 AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
 ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2e/test_api_keys_isolation.py)
 LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_keys_disconnect.py)
+JOBS = new_key()  # a batch-class key (tests/e2e/test_api_keys_agents.py: priority classes)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
        "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
-       "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER}
+       "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER,
+       "SHUNTER_TEST_KEY_JOBS": JOBS}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
@@ -76,7 +78,8 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "org-one", "key_env": "SHUNTER_TEST_KEY_ORG_ONE", "cache_group": "org"},
                      {"name": "org-two", "key_env": "SHUNTER_TEST_KEY_ORG_TWO", "cache_group": "org"},
                      {"name": "leaver", "key_env": "SHUNTER_TEST_KEY_LEAVER",
-                      "tokens_per_minute": LEAVER_TOKENS_PER_MINUTE}],
+                      "tokens_per_minute": LEAVER_TOKENS_PER_MINUTE},
+                     {"name": "jobs", "key_env": "SHUNTER_TEST_KEY_JOBS", "priority_class": "batch"}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

@@ -18,6 +18,7 @@ from .keyed_app import (
     AGENTS_TOKENS_PER_MINUTE,
     EMBED_ONLY,
     FULL,
+    JOBS,
     MAX_PROMPT_TOKENS,
     MAX_TOKENS,
     TIMEOUT_S,
@@ -146,3 +147,29 @@ def test_a_whole_message_carries_the_null_fields_anthropics_does(app):
         assert key in usage and (usage[key] is None or isinstance(usage[key], int)), usage
     assert usage["input_tokens"] > 0 and usage["output_tokens"] == 4, usage
     assert raw.parse().stop_sequence is None
+
+
+def test_a_request_gets_its_keys_class_and_may_lower_but_never_raise_it(app):
+    """Priority classes at the door (issue 38): the class is answered in x-shunter-priority; a class the key
+    may not use is a 403 in each API's own envelope, never a silent change; an unknown one a 400."""
+    jobs, full = _openai(app, JOBS), _openai(app, FULL)
+    asked = {"model": CHAT_MODEL, "messages": HELLO, "max_tokens": 2}
+    served = jobs.chat.completions.with_raw_response.create(**asked)
+    assert served.headers["x-shunter-priority"] == "batch"
+    lowered = full.chat.completions.with_raw_response.create(**asked, service_tier="flex")
+    assert lowered.headers["x-shunter-priority"] == "batch"
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        jobs.chat.completions.create(**asked, service_tier="priority")
+    assert denied.value.code == "priority_class_not_allowed"
+    with pytest.raises(openai.PermissionDeniedError):
+        jobs.responses.create(model=CHAT_MODEL, input="hi", max_output_tokens=4,
+                              extra_headers={"x-shunter-priority": "interactive"})
+    with pytest.raises(anthropic.PermissionDeniedError) as denied_messages:
+        _anthropic(app, JOBS).messages.create(model=CHAT_MODEL, max_tokens=2, messages=HELLO,
+                                              extra_headers={"x-shunter-priority": "standard"})
+    assert denied_messages.value.body["type"] == "error"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        full.chat.completions.create(**asked, extra_headers={"x-shunter-priority": "urgent"})
+    assert unknown.value.code == "unknown_priority_class"
+    with pytest.raises(openai.BadRequestError):
+        full.chat.completions.create(**asked, service_tier="scale")

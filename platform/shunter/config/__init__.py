@@ -18,6 +18,7 @@ from shunter.config.base import NAME_PATTERN, VERSION_PATTERN, StrictModel
 from shunter.config.cluster import ClusterConfig, NodeGroupConfig
 from shunter.config.engine import EngineConfig
 from shunter.config.explain import format_config_error
+from shunter.config.flow import FlowControlConfig, PriorityClassConfig
 from shunter.config.gateway import GatewayConfig, LimitsConfig
 from shunter.config.model import DEFAULT_VERSION, ModelConfig
 from shunter.config.observability import LoggingConfig, ObservabilityConfig, TracingConfig
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_VERSION",
     "DrainingConfig",
     "EngineConfig",
+    "FlowControlConfig",
     "GatesConfig",
     "GatewayConfig",
     "KeySourceConfig",
@@ -49,6 +51,7 @@ __all__ = [
     "NAME_PATTERN",
     "NodeGroupConfig",
     "ObservabilityConfig",
+    "PriorityClassConfig",
     "RolloutConfig",
     "RoutingConfig",
     "ServingConfig",

@@ -75,6 +75,16 @@ class ApiKeyConfig(KeySourceConfig):
         description="Prompt plus completion tokens per minute; null = unlimited. A request reserves its "
         "prompt estimate plus its max_tokens and is settled at its real usage when it ends.",
     )
+    priority_class: str | None = Field(
+        default=None,
+        description="The priority class (flow_control.classes) of this key's requests that ask for none; "
+        "null = flow_control.default_class.",
+    )
+    priority_classes: list[str] | None = Field(
+        default=None,
+        description="The classes this key may ask for (`service_tier` or the x-shunter-priority header); "
+        "another is a 403, never a silent change of class. null = its default class and every less urgent one.",
+    )
     cache_group: str | None = Field(
         default=None, pattern=KEY_NAME_PATTERN,
         description="Keys with the same cache group share cached prompt prefixes (one organization's common "

@@ -12,6 +12,7 @@ from shunter.config.auth import AuthConfig
 from shunter.config.base import StrictModel
 from shunter.config.cluster import ClusterConfig
 from shunter.config.explain import format_config_error
+from shunter.config.flow import FlowControlConfig
 from shunter.config.gateway import GatewayConfig
 from shunter.config.model import ModelConfig
 from shunter.config.observability import ObservabilityConfig
@@ -34,6 +35,10 @@ class ShunterConfig(StrictModel):
     )
     tiers: TiersConfig | None = Field(
         default=None, description="Complexity-tier routing behind one model name (`auto`); null = off."
+    )
+    flow_control: FlowControlConfig = Field(
+        default_factory=FlowControlConfig,
+        description="Priority classes: who goes first when a model is full, and how requests name their class.",
     )
     model_cache_dir: str | None = Field(
         default=None,
@@ -62,6 +67,7 @@ class ShunterConfig(StrictModel):
         if self.tiers is not None:
             self._check_tiers(self.tiers, seen)
         self._check_timeouts()
+        self._check_key_classes()
         for key in self.auth.keys:
             unknown = [m for m in key.models if self.find_model(m) is None and self.find_adapter(m) is None
                        and not self._all_adapters_of(m)]
@@ -70,6 +76,19 @@ class ShunterConfig(StrictModel):
                                  f"adapters or `<model>:*` of a model that runs LoRA; served: "
                                  f"{[m.name for m in self.models]}")
         return self
+
+    def _check_key_classes(self) -> None:
+        flow = self.flow_control
+        names = [c.name for c in flow.classes]
+        for key in self.auth.keys:
+            for name in [key.priority_class, *(key.priority_classes or ())]:
+                if name is not None and flow.find(name) is None:
+                    raise ValueError(f"auth.keys[{key.name}]: priority class {name!r} is not one of "
+                                     f"flow_control.classes {names}")
+            if key.priority_class is not None and key.priority_classes is not None \
+                    and key.priority_class not in key.priority_classes:
+                raise ValueError(f"auth.keys[{key.name}]: its priority_class {key.priority_class!r} must be among "
+                                 f"its priority_classes {key.priority_classes}")
 
     def _check_timeouts(self) -> None:
         """Timeouts that cannot all hold: each waiting phase must end before the whole request's deadline,

@@ -1,0 +1,63 @@
+"""A request's priority class, decided once at the door (issue 38, flow control).
+
+The classes are the config's (`flow_control.classes`, most urgent first). A request asks for one with
+OpenAI's own `service_tier` field (mapped by `flow_control.service_tiers`) or the `x-shunter-priority` header
+(a class by name); both at once must agree. A key has a default class (`auth.keys[].priority_class`, else
+`flow_control.default_class`) and the classes it may ask for (`priority_classes`, else its default and every
+less urgent one): asking for another is a 403, never a silent upgrade or downgrade; an unknown class or
+service tier is a 400. Without keys, every class may be asked for. The class chosen travels on the request's
+context and is answered in the `x-shunter-priority` header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from shunter.auth import Caller
+from shunter.config import FlowControlConfig
+from shunter.endpoints import ParsedRequest
+from shunter.errors import ApiError
+
+PRIORITY_HEADER = "x-shunter-priority"
+
+
+class PriorityClasses:
+    def __init__(self, flow: FlowControlConfig):
+        self.flow = flow
+        self.names = [c.name for c in flow.classes]
+
+    def resolve(self, caller: Caller, parsed: ParsedRequest, headers: Mapping[str, str]) -> str:
+        """The request's class; ApiError 400 (unknown, or two that disagree) or 403 (not this key's)."""
+        asked = self._asked(parsed, headers)
+        key = caller.config
+        default = key.priority_class if key is not None and key.priority_class else self.flow.default_class
+        if asked is None or asked == default:
+            return default
+        if key is None:
+            return asked  # no keys: any class
+        allowed = key.priority_classes if key.priority_classes is not None \
+            else self.names[self.flow.rank(default):]
+        if asked not in allowed:
+            raise ApiError(403, f"this API key ({caller.name}) may not use priority class {asked!r}; it may use "
+                           f"{', '.join(allowed)}", param="service_tier", code="priority_class_not_allowed")
+        return asked
+
+    def _asked(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> str | None:
+        by_header = headers.get(PRIORITY_HEADER)
+        if by_header is not None:
+            by_header = by_header.strip()
+            if by_header not in self.names:
+                raise ApiError(400, f"{PRIORITY_HEADER}: {by_header[:64]!r} is not a priority class; classes: "
+                               f"{', '.join(self.names)}", code="unknown_priority_class")
+        tier = getattr(parsed.typed, "service_tier", None) if "service_tier" in parsed.body else None
+        by_tier = None
+        if tier is not None:
+            by_tier = self.flow.service_tiers.get(str(tier))
+            if by_tier is None:
+                raise ApiError(400, f"service_tier {tier!r} is not served here; use one of "
+                               f"{', '.join(self.flow.service_tiers)}", param="service_tier",
+                               code="unsupported_service_tier")
+        if by_header is not None and by_tier is not None and by_header != by_tier:
+            raise ApiError(400, f"service_tier {tier!r} asks for class {by_tier!r} but {PRIORITY_HEADER} asks for "
+                           f"{by_header!r}; send one", param="service_tier", code="conflicting_priority")
+        return by_header or by_tier

@@ -1,0 +1,118 @@
+"""Priority classes at the door (issue 38, item 1): which class a request gets, and the config that names
+them. A class a key may not use is a 403 (never a silent change of class), an unknown one a 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shunter.auth import ANONYMOUS, Caller
+from shunter.config import ConfigError, parse_config
+from shunter.deployments.gateway.parsed_request import parse
+from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
+from shunter.endpoints import CHAT, MESSAGES, RESPONSES
+from shunter.errors import ApiError
+
+pytestmark = pytest.mark.unit
+
+MODEL = {"name": "chat", "source": "builtin:smollm2-135m-instruct"}
+USER = {"role": "user", "content": "hi"}
+
+
+def config(keys: list[dict[str, Any]] | None = None, **flow: Any) -> Any:
+    raw: dict[str, Any] = {"models": [MODEL]}
+    if keys is not None:
+        raw["auth"] = {"keys": [{"key_env": "K", **k} for k in keys]}
+    if flow:
+        raw["flow_control"] = flow
+    return parse_config(raw)
+
+
+def caller(cfg: Any, name: str) -> Caller:
+    key = next(k for k in cfg.auth.keys if k.name == name)
+    return Caller(name=name, key_id="id", config=key)
+
+
+def chat(**fields: Any) -> Any:
+    return parse(CHAT, {"model": "chat", "messages": [USER], **fields})
+
+
+def refusal(call: Any, *args: Any) -> ApiError:
+    with pytest.raises(ApiError) as refused:
+        call(*args)
+    return refused.value
+
+
+def test_the_default_classes_and_openais_service_tiers():
+    cfg = config()
+    assert [c.name for c in cfg.flow_control.classes] == ["interactive", "standard", "batch"]
+    classes = PriorityClasses(cfg.flow_control)
+    assert classes.resolve(ANONYMOUS, chat(), {}) == "standard"
+    assert classes.resolve(ANONYMOUS, chat(service_tier="priority"), {}) == "interactive"
+    assert classes.resolve(ANONYMOUS, chat(service_tier="flex"), {}) == "batch"
+    assert classes.resolve(ANONYMOUS, chat(), {PRIORITY_HEADER: " batch "}) == "batch"
+    # Responses parses service_tier with a default ("auto"): only one the client sent counts.
+    assert classes.resolve(ANONYMOUS, parse(RESPONSES, {"model": "chat", "input": "x"}), {}) == "standard"
+    # The Messages API has no service_tier: the header names the class.
+    messages = parse(MESSAGES, {"model": "chat", "max_tokens": 4, "messages": [USER]})
+    assert classes.resolve(ANONYMOUS, messages, {PRIORITY_HEADER: "interactive"}) == "interactive"
+
+
+def test_a_key_asks_for_its_default_and_less_urgent_classes_but_never_a_more_urgent_one():
+    cfg = config([{"name": "jobs", "priority_class": "batch"}, {"name": "app", "priority_class": "interactive"},
+                  {"name": "plain"}])
+    classes = PriorityClasses(cfg.flow_control)
+    jobs, app, plain = caller(cfg, "jobs"), caller(cfg, "app"), caller(cfg, "plain")
+    assert classes.resolve(jobs, chat(), {}) == "batch"
+    assert classes.resolve(app, chat(), {}) == "interactive"
+    assert classes.resolve(app, chat(service_tier="flex"), {}) == "batch", "a key may lower its own class"
+    assert classes.resolve(plain, chat(service_tier="flex"), {}) == "batch"
+    for who, asked in ((jobs, chat(service_tier="priority")), (jobs, chat(service_tier="default")),
+                       (plain, chat(service_tier="priority"))):
+        error = refusal(classes.resolve, who, asked, {})
+        assert (error.status, error.code, error.param) == (403, "priority_class_not_allowed", "service_tier")
+        assert who.name in error.message
+    error = refusal(classes.resolve, jobs, chat(), {PRIORITY_HEADER: "interactive"})
+    assert error.status == 403
+
+
+def test_a_keys_explicit_classes_are_the_only_ones_it_may_ask_for():
+    cfg = config([{"name": "mixed", "priority_class": "standard", "priority_classes": ["standard", "interactive"]}])
+    classes = PriorityClasses(cfg.flow_control)
+    mixed = caller(cfg, "mixed")
+    assert classes.resolve(mixed, chat(service_tier="priority"), {}) == "interactive"
+    assert refusal(classes.resolve, mixed, chat(service_tier="flex"), {}).status == 403
+
+
+def test_unknown_and_conflicting_classes_are_400s_naming_what_is_served():
+    classes = PriorityClasses(config().flow_control)
+    error = refusal(classes.resolve, ANONYMOUS, chat(), {PRIORITY_HEADER: "urgent"})
+    assert (error.status, error.code) == (400, "unknown_priority_class") and "interactive" in error.message
+    error = refusal(classes.resolve, ANONYMOUS, chat(service_tier="scale"), {})
+    assert (error.status, error.code, error.param) == (400, "unsupported_service_tier", "service_tier")
+    error = refusal(classes.resolve, ANONYMOUS, chat(service_tier="priority"), {PRIORITY_HEADER: "batch"})
+    assert (error.status, error.code) == (400, "conflicting_priority")
+    assert classes.resolve(ANONYMOUS, chat(service_tier="flex"), {PRIORITY_HEADER: "batch"}) == "batch"
+    for odd in (7, "bogus", None):  # vLLM's model takes any value of service_tier as it is
+        asked = chat(service_tier=odd)
+        if odd is None:
+            assert classes.resolve(ANONYMOUS, asked, {}) == "standard", "null: the default, as OpenAI reads it"
+        else:
+            assert refusal(classes.resolve, ANONYMOUS, asked, {}).code == "unsupported_service_tier"
+
+
+@pytest.mark.parametrize("flow, keys, says", [
+    ({"classes": [{"name": "a", "max_wait_s": 1}, {"name": "a", "max_wait_s": 2}], "default_class": "a",
+      "service_tiers": {}}, None, "unique"),
+    ({"default_class": "urgent"}, None, "flow_control.default_class"),
+    ({"service_tiers": {"premium": "interactive"}}, None, "not an OpenAI service_tier"),
+    ({"service_tiers": {"priority": "vip"}}, None, "flow_control.service_tiers.priority"),
+    ({}, [{"name": "k", "priority_class": "vip"}], "auth.keys[k]"),
+    ({}, [{"name": "k", "priority_class": "batch", "priority_classes": ["standard"]}], "must be among"),
+    ({"classes": [{"name": "now", "max_wait_s": 0}]}, None, "max_wait_s"),
+])
+def test_a_config_that_names_a_class_wrongly_says_which_field(flow, keys, says):
+    with pytest.raises(ConfigError, match=None) as failed:
+        config(keys, **flow)
+    assert says in str(failed.value)
