@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from shunter.replica_protocol import ReplicaRequest, RouteHint
+from shunter.replica_protocol import ReplicaRequest, ReplyHead, RouteHint
 
 from .routing_app import APP, MODEL
 
@@ -61,8 +61,8 @@ def _pinned_cached_tokens(handle: Any, replica: str) -> int:
     request = ReplicaRequest(pin=replica, endpoint="chat",
                              body={"model": MODEL, "messages": QUESTION, "max_tokens": 2, "temperature": 0})
     for item in handle.options(stream=True).handle.remote(request):
-        if isinstance(item, dict) and "body" in item:
-            return item["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if isinstance(item, ReplyHead):
+            return item.body["usage"]["prompt_tokens_details"]["cached_tokens"]
     raise AssertionError("the replica sent no reply head")
 
 
