@@ -133,11 +133,6 @@ class RequestContext:
     # Called once when the request ends, after the platform's own hooks (the tier monitor's comparison).
     on_outcome: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
-    @property
-    def served_name(self) -> str:
-        """The name the client asked for and sees: the adapter's, or the model's."""
-        return self.adapter.name if self.adapter is not None else self.model.name
-
 
 def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None) -> dict[str, Any]:
     """The body the engine gets, built once from the parsed request: the canonical model name the engine

@@ -203,14 +203,6 @@ MESSAGES = Endpoint(
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETION, EMBEDDING, RESPONSES, MESSAGES)}
 
 
-def endpoint(name: str) -> Endpoint:
-    """The descriptor of a wire name; ValueError for one the platform does not serve."""
-    try:
-        return ENDPOINTS[name]
-    except KeyError:
-        raise ValueError(f"unknown endpoint {name!r}") from None
-
-
 def serving(task: str) -> list[str]:
     """The paths of the endpoints a model of `task` serves."""
     return [e.path for e in ENDPOINTS.values() if e.task == task]
