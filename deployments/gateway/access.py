@@ -44,7 +44,9 @@ class Ticket:
     """An admitted request's quota reservation; `settle` once it has ended.
 
     `default_max_tokens`: the completion tokens per choice the replica gives a request that names none
-    (the platform's limit, the model's context and what the key's budget can hold, whichever is least)."""
+    (the platform's limit, the model's context and what the key's budget can hold, whichever is least).
+    `tokens_at_most`: its prompt estimate plus every completion token it may make (what a key's token quota
+    reserves, and what the flow queue's fair shares count the request as)."""
 
     caller: Caller
     model: str
@@ -53,20 +55,26 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     default_max_tokens: int | None = None
     prompt_estimate: int = 0
+    tokens_at_most: int = 0
     _settled: bool = False
 
-    def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int) -> None:
+    def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int,
+               reached_engine: bool = True) -> None:
         """At the tokens really produced. A stream cut short (the client hung up, an error mid-way) has
         counted the tokens relayed so far, a whole reply whose client left those its replica last reported
         (shunter.deployments.gateway.request_end); one cut before the engine reported anything is charged its
-        estimated prompt, which the engine had started on."""
+        estimated prompt, which the engine had started on. A request that never reached an engine (refused
+        by the model's admission, or its client left while it waited for a slot) is charged nothing: neither
+        tokens nor the request."""
         if self._settled:
             return
         self._settled = True
-        if not prompt_tokens and str(status) in _CUT_SHORT:
+        if not reached_engine:
+            prompt_tokens = completion_tokens = 0
+        elif not prompt_tokens and str(status) in _CUT_SHORT:
             prompt_tokens = self.prompt_estimate
         if self.quota is not None:
-            self.quota.settle(self.reserved, prompt_tokens + completion_tokens)
+            self.quota.settle(self.reserved, prompt_tokens + completion_tokens, request_back=not reached_engine)
         labels = {"key_name": self.caller.name, "key_id": self.caller.key_id, "model": self.model}
 
         def record(m: dict[str, Any]) -> None:
@@ -202,18 +210,19 @@ class AccessControl:
             # default past the budget would make every such request `request_exceeds_quota`.
             affordable = (int(quota.tokens.capacity) - prompt) // (request.n * request.prompts)
             default = max(1, min(default, affordable))
-        if quota is None:
-            return Ticket(caller, model, None, 0, default_max_tokens=default, prompt_estimate=prompt)
         if request.endpoint.max_tokens_field is None:  # it generates nothing
             completion = 0
         else:
             per_choice = request.max_tokens if request.max_tokens is not None else default
             completion = per_choice * request.n * request.prompts
         reservation = prompt + completion
+        if quota is None:
+            return Ticket(caller, model, None, 0, default_max_tokens=default, prompt_estimate=prompt,
+                          tokens_at_most=reservation)
         decision = quota.admit(reservation)
         if decision.admitted:
             return Ticket(caller, model, quota, decision.reserved, decision.headers, default_max_tokens=default,
-                          prompt_estimate=prompt)
+                          prompt_estimate=prompt, tokens_at_most=reservation)
         labels = {"key_name": caller.name, "key_id": caller.key_id}
         if decision.never_fits:
             _record(lambda m: m["shunter_rate_limited_total"].inc(1, tags={**labels, "limit": "too_large"}))

@@ -13,16 +13,20 @@ replica, and a burst is counted before routing catches up, so it refuses request
 slots could have served (Ray's router says as much in its source); its Retry-After is a fixed number.
 This gate counts admitted work against known capacity, so a burst that fits is admitted whole.
 
-Admitted requests beyond what the replicas take at once wait in the gateway (`DispatchQueue`), in
-arrival order, and go to Ray's request router only when a slot frees. Left in Ray's router instead,
+Admitted requests beyond what the replicas take at once wait in the gateway (`shunter.deployments.gateway.
+flow_queue`), by priority class and fair share between tenants, and go to Ray's request router only when a
+slot frees. Left in Ray's router instead,
 that backlog made the router probe the replicas' queue lengths over and over for requests it could not
 place (measured: 44% of a saturated gateway's samples), CPU the engines then lacked, and the backlog
 started in no particular order.
+
+With priority classes (`flow_control`), the bound is counted per class: the requests of a class and of the
+more urgent ones count against it, so a backlog of batch work never turns an interactive request away, and
+the wait a request is expected to have is that of its class's place in the flow queue.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -38,46 +42,60 @@ class AdmissionGate:
         self.max_queued = max_queued
         self.window_s = window_s
         self.clock = clock
-        self.admitted = 0
+        self._by_rank: dict[int, int] = {}  # priority class rank -> admitted and not yet finished
         self._finished: deque[float] = deque()  # when recent admitted requests finished
 
-    def try_admit(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1) -> int | None:
+    @property
+    def admitted(self) -> int:
+        """Admitted requests not yet finished, every class."""
+        return sum(self._by_rank.values())
+
+    def admitted_through(self, rank: int) -> int:
+        """Admitted requests not yet finished of class `rank` and the more urgent ones."""
+        return sum(n for r, n in self._by_rank.items() if r <= rank)
+
+    def try_admit(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1, rank: int = 0,
+                  slots_needed: int | None = None) -> int | None:
         """Admit one request (None), or refuse it: the seconds a client should wait before retrying. It is
-        refused past the count bound, and when it would wait for a slot longer than `max_wait_s` as far
-        as the recent finish rate tells (no rate yet: the count alone decides).
+        refused past the count bound (its class's and the more urgent classes' requests count), and when it
+        would wait for a slot longer than `max_wait_s` as far as the recent finish rate tells (no rate yet:
+        the count alone decides). `slots_needed`: the slots that must free before it starts (the flow
+        queue's count for its class); by default, what the admitted requests beyond capacity say.
 
         `weight`: the engine requests it makes (a batch of embedding inputs or completion prompts, times
         `n`): it counts as that many (`admitted_weight` says how many it took; release that many). A batch
         larger than the whole bound counts as the whole bound, so an idle model still takes it, alone."""
         bound = max(0, capacity) + self.max_queued
         weight = self.admitted_weight(capacity, weight)
-        if self.admitted + weight > bound:
-            return self.retry_after_s(capacity)
-        wait = self.expected_wait_s(capacity)
+        needed = self._needed(capacity, rank, slots_needed)
+        if self.admitted_through(rank) + weight > bound:
+            return self.retry_after_s(needed)
+        wait = self.expected_wait_s(capacity, rank, slots_needed)
         if wait is not None and wait > max_wait_s:
-            return self.retry_after_s(capacity)
-        self.admitted += weight
+            return self.retry_after_s(needed)
+        self._by_rank[rank] = self._by_rank.get(rank, 0) + weight
         return None
 
     def admitted_weight(self, capacity: int, weight: int) -> int:
         """What a request of `weight` engine requests counts for at this gate (at least 1, at most the bound)."""
         return max(1, min(weight, max(0, capacity) + self.max_queued))
 
-    def expected_wait_s(self, capacity: int) -> float | None:
-        """How long a request admitted now would wait for a slot: 0 while there is room, else the requests
-        ahead of it over the rate admitted requests finish; None while too few finished to tell."""
-        ahead = self.admitted - max(0, capacity)
-        if ahead < 0:
+    def expected_wait_s(self, capacity: int, rank: int = 0, slots_needed: int | None = None) -> float | None:
+        """How long a request admitted now would wait for a slot: 0 while there is room, else the slots that
+        must free first over the rate admitted requests finish; None while too few finished to tell."""
+        needed = self._needed(capacity, rank, slots_needed)
+        if needed <= 0:
             return 0.0
-        self._expire()
-        if len(self._finished) < MIN_FINISHES_FOR_RATE:
-            return None
-        span = max(1.0, self.clock() - self._finished[0])
-        return (ahead + 1) / (len(self._finished) / span)
+        rate = self._rate()
+        return None if rate is None else needed / rate
 
-    def release(self, weight: int = 1) -> None:
+    def release(self, weight: int = 1, rank: int = 0) -> None:
         """An admitted request finished, however it ended (`weight`: what it was admitted as)."""
-        self.admitted = max(0, self.admitted - weight)
+        left = self._by_rank.get(rank, 0) - weight
+        if left > 0:
+            self._by_rank[rank] = left
+        else:
+            self._by_rank.pop(rank, None)
         self._finished.extend([self.clock()] * weight)
         self._expire()
 
@@ -90,93 +108,30 @@ class AdmissionGate:
         self._expire()
         return len(self._finished) / self.window_s
 
-    def retry_after_s(self, capacity: int) -> int:
-        rate = self.finish_rate()
+    def retry_after_s(self, slots_needed: int) -> int:
+        """When a refused request should come back: the time the slots ahead of it take to free at the
+        measured drain rate (a default until enough requests finished to tell), at least a second."""
+        rate = self._rate()
+        if rate is None:
+            rate = self.finish_rate()
         if rate <= 0:
             return DEFAULT_RETRY_AFTER_S
-        ahead = self.queued(capacity) + 1  # the queue, and this request
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(ahead / rate)))
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(max(1, slots_needed) / rate)))
+
+    def _needed(self, capacity: int, rank: int, slots_needed: int | None) -> int:
+        if slots_needed is not None:
+            return slots_needed
+        return self.admitted_through(rank) - max(0, capacity) + 1
+
+    def _rate(self) -> float | None:
+        """Finishes per second since the oldest in the window, once enough finished to trust it."""
+        self._expire()
+        if len(self._finished) < MIN_FINISHES_FOR_RATE:
+            return None
+        span = max(1.0, self.clock() - self._finished[0])
+        return len(self._finished) / span
 
     def _expire(self) -> None:
         horizon = self.clock() - self.window_s
         while self._finished and self._finished[0] < horizon:
             self._finished.popleft()
-
-
-class DispatchQueue:
-    """When an admitted request may go to the replicas: at most `capacity()` at once from this gateway
-    (and always at least one, so a model scaled to zero still gets the request whose arrival at Ray's
-    router starts a replica), the others waiting here in arrival order. A request that got its turn
-    holds it until it ends (`leave`). Capacity that grows without a request ending (a replica started)
-    is noticed every `tick_s` while requests wait."""
-
-    def __init__(self, capacity: Callable[[], int], tick_s: float = 0.25):
-        self.capacity = capacity
-        self.tick_s = tick_s
-        self.dispatched = 0
-        self._waiting: deque[asyncio.Future[None]] = deque()
-        self._ticking = False
-
-    @property
-    def depth(self) -> int:
-        """Requests waiting for their turn."""
-        return sum(1 for turn in self._waiting if not turn.done())
-
-    async def enter(self, timeout_s: float) -> bool:
-        """Wait for this request's turn: True once it may go, False after `timeout_s` (it then holds
-        nothing). A request cancelled while it waits holds nothing either."""
-        self._pump()  # drops turns given up, so a queue of only those is no queue
-        if not self._waiting and self.dispatched < self._room():
-            self.dispatched += 1
-            return True
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(turn)
-        self._tick()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await turn
-            return True
-        except TimeoutError:
-            if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
-                return True
-            turn.cancel()
-            self._pump()
-            return False
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self.leave()
-            else:
-                turn.cancel()
-                self._pump()
-            raise
-
-    def leave(self) -> None:
-        """A request that had its turn ended, however it ended."""
-        self.dispatched = max(0, self.dispatched - 1)
-        self._pump()
-
-    def _room(self) -> int:
-        return max(1, self.capacity())
-
-    def _pump(self) -> None:
-        room = self._room()
-        while self._waiting and self.dispatched < room:
-            turn = self._waiting.popleft()
-            if not turn.done():  # a waiter that gave up leaves its cancelled turn behind
-                turn.set_result(None)
-                self.dispatched += 1
-        while self._waiting and self._waiting[0].done():
-            self._waiting.popleft()
-
-    def _tick(self) -> None:
-        if self._ticking:
-            return
-        self._ticking = True
-
-        def tick() -> None:
-            self._ticking = False
-            self._pump()
-            if self._waiting:
-                self._tick()
-
-        asyncio.get_running_loop().call_later(self.tick_s, tick)

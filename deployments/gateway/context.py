@@ -134,13 +134,19 @@ class RequestContext:
     on_outcome: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
 
-def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None) -> dict[str, Any]:
+def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None,
+                priority: int | None = None) -> dict[str, Any]:
     """The body the engine gets, built once from the parsed request: the canonical model name the engine
-    knows, the tenant's cache salt where the prompt reaches the prefix cache, and, for a stream in OpenAI's
-    chunk format, the running usage on every chunk and a final usage chunk (so every token is counted
-    however the stream ends; the stream filter drops what the client did not ask for)."""
+    knows, the tenant's cache salt where the prompt reaches the prefix cache, the scheduling `priority` of
+    its class for an engine that schedules by priority (`priority`; never the client's own), and, for a
+    stream in OpenAI's chunk format, the running usage on every chunk and a final usage chunk (so every
+    token is counted however the stream ends; the stream filter drops what the client did not ask for)."""
     body = {**parsed.body, "model": engine_name}
     endpoint = parsed.endpoint
+    if endpoint.engine_priority:
+        body.pop("priority", None)
+        if priority is not None:
+            body["priority"] = priority
     if endpoint.tenant_cache and cache_salt is not None:
         body["cache_salt"] = cache_salt
     if parsed.stream and not endpoint.wire.typed_events:

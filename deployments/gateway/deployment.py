@@ -14,8 +14,9 @@ This module only wires one gateway replica together; each concern has its own mo
   out of its chunks;
 - `request_end`: the request's one `Outcome`, recorded once, and the hooks registered on it (the replica's
   release, breaker, rollout, admission, telemetry, quota);
-- `serving_state`: per model and version, the routing state, admission gate, dispatch queue and drain
-  tracker (`admission`, `draining`); `access` and `quotas`: keys, limits and per-key budgets.
+- `serving_state`: per model and version, the routing state, admission gate, flow queue and drain
+  tracker (`admission`, `flow_queue`, `draining`); `priority`: the class at the door; `access` and `quotas`:
+  keys, limits and per-key budgets.
 """
 
 from __future__ import annotations

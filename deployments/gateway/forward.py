@@ -117,9 +117,12 @@ class Forwarder:
         engine_name = route.engine_name if route is not None else model.name
         # Tenants' prompt caches apart: nothing cached for one key shows to another.
         salt = cache_salt(caller, parsed.body.get("cache_salt"))
+        # An engine that schedules by priority runs the more urgent classes first (0: the most urgent).
+        priority = self.config.flow_control.rank(priority_class) \
+            if model.engine.scheduling_policy == "priority" else None
         return RequestContext(endpoint, parsed, model, _request_id(), caller=caller, adapter=route, tier=tier,
                               session=session, priority_class=priority_class,
-                              engine_body=engine_body(parsed, engine_name, salt))
+                              engine_body=engine_body(parsed, engine_name, salt, priority))
 
     async def _serve(self, request: Request, end: RequestEnd) -> Response:
         """The quota, then the model's admission and the replicas, within the request timeout."""
@@ -168,11 +171,11 @@ class Forwarder:
                              limits=RequestLimits(max_tokens=self.config.gateway.limits.max_tokens,
                                                   max_prompt_tokens=self.config.gateway.limits.max_prompt_tokens))
         versions = self._versions_for(ctx, None)
-        gate = self.state.gate(model)
-        if not versions or gate.try_admit(self.state.capacity(model)) is not None:
+        gate, rank = self.state.gate(model), self.config.flow_control.rank(self.config.flow_control.default_class)
+        if not versions or gate.try_admit(self.state.capacity(model), rank=rank) is not None:
             return None
         end = RequestEnd(ctx, RequestTelemetry(ctx, {}, label="tier_monitor"), self.hooks)
-        end.hold(gate)
+        end.hold(gate, 1, rank)
         try:  # the same path as a client's whole reply: versions, failover, breakers, outcome records
             with end.settled_on_failure():
                 response = await self._admitted(end, versions)
@@ -181,7 +184,8 @@ class Forwarder:
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, request: Request, end: RequestEnd) -> Response:
-        """The model's admission gate (429 past its bound), its dispatch queue, then the replicas."""
+        """The model's admission gate (429 past its bound), its flow queue (by class and fair share), then
+        the replicas."""
         self.traffic.ensure_started()
         ctx, tel = end.ctx, end.tel
         model = ctx.model
@@ -191,30 +195,37 @@ class Forwarder:
             ctx.version = self._versions_for(ctx, request, skip_unavailable=False)[0]
             raise all_replicas_out(model, self.state.routing(model, ctx.version))
         ctx.version = versions[0]
-        gate = self.state.gate(model)
+        gate, queue = self.state.gate(model), self.state.dispatch(model)
         capacity = self.state.capacity(model)
-        # Never admit a request expected to wait for a slot past the queue timeout (it would end in a 503
-        # after that wait), nor past the model's own wait budget.
-        max_wait = min(model.admission.max_wait_s or math.inf, self.config.gateway.queue_timeout_s)
+        flow, limits = self.config.flow_control, self.config.gateway.limits
+        rank = flow.rank(ctx.priority_class)
+        # How long it may wait for a slot: its class's deadline. It is never admitted when expected to wait
+        # longer (it would end in a 503 after that wait), nor past the model's own wait budget.
+        deadline = flow.max_wait_s(ctx.priority_class, self.config.gateway.queue_timeout_s, limits.request_timeout_s)
+        max_wait = min(model.admission.max_wait_s or math.inf, deadline)
         # A batch (embedding inputs, completion prompts, choices) is that many engine requests' worth of work.
         weight = gate.admitted_weight(capacity, ctx.parsed.engine_requests)
-        retry_after = gate.try_admit(capacity, max_wait, weight)
+        needed = queue.ahead_of(rank)
+        retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
-            wait = gate.expected_wait_s(capacity)
+            wait = gate.expected_wait_s(capacity, rank, needed)
             about = f" (about {wait:.0f}s of waiting)" if wait else ""
-            raise ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity)} requests are already "
-                           f"waiting for a replica{about}; retry in {retry_after}s", code="queue_full",
-                           headers={"Retry-After": str(retry_after)})
-        end.hold(gate, weight)
+            raise ApiError(429, f"model {model.name!r} is overloaded: {needed} requests of priority class "
+                           f"{ctx.priority_class!r} or more urgent are ahead of this one{about}; retry in "
+                           f"{retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
+        end.hold(gate, weight, rank)
         tel.admitted()
-        queue = self.state.dispatch(model)
-        wait = self.config.gateway.queue_timeout_s
+        wait = deadline
         cold = model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0]))
         if cold:
             wait = max(wait, model.autoscaling.cold_start_timeout_s)  # type: ignore[union-attr]
-        if not await queue.enter(wait):
-            raise not_taken(model, wait, cold)
+        caller, ticket = ctx.caller, ctx.ticket
+        tenant = caller.name if caller is not None else ""
+        share = caller.config.weight if caller is not None and caller.config is not None else 1.0
+        cost = max(1, ticket.tokens_at_most) if ticket is not None else 1
+        if not await queue.enter(wait, rank, tenant, share, cost):
+            raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank)))
         end.dispatched(queue)
         return await self._admitted(end, versions)
 

@@ -6,7 +6,8 @@ OpenAI's own `service_tier` field (mapped by `flow_control.service_tiers`) or th
 `flow_control.default_class`) and the classes it may ask for (`priority_classes`, else its default and every
 less urgent one): asking for another is a 403, never a silent upgrade or downgrade; an unknown class or
 service tier is a 400. Without keys, every class may be asked for. The class chosen travels on the request's
-context and is answered in the `x-shunter-priority` header.
+context and is answered in the `x-shunter-priority` header. vLLM's own per-request `priority` field is a 400
+when set: the engine's order is derived from the class (`engine.scheduling_policy: priority`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ class PriorityClasses:
         self.names = [c.name for c in flow.classes]
 
     def resolve(self, caller: Caller, parsed: ParsedRequest, headers: Mapping[str, str]) -> str:
-        """The request's class; ApiError 400 (unknown, or two that disagree) or 403 (not this key's)."""
+        """The request's class; ApiError 400 (unknown, or two that disagree, or vLLM's own `priority`) or 403
+        (not this key's)."""
+        if getattr(parsed.typed, "priority", 0):  # the engine's order is the platform's to set, from the class
+            raise ApiError(400, "`priority` is not accepted here; ask for a priority class with `service_tier` or "
+                           f"the {PRIORITY_HEADER} header (classes: {', '.join(self.names)})", param="priority",
+                           code="priority_not_allowed")
         asked = self._asked(parsed, headers)
         key = caller.config
         default = key.priority_class if key is not None and key.priority_class else self.flow.default_class

@@ -112,8 +112,11 @@ class KeyQuota:
             self.tokens.take(reservation)
         return QuotaDecision(reserved=reservation, headers=self.headers())
 
-    def settle(self, reserved: int, used: int) -> None:
-        """The request is over: it used `used` tokens of the `reserved` it took."""
+    def settle(self, reserved: int, used: int, request_back: bool = False) -> None:
+        """The request is over: it used `used` tokens of the `reserved` it took (`request_back`: it is not
+        counted as a request either)."""
+        if request_back and self.requests is not None:
+            self.requests.give_back(1)
         if self.tokens is None or used == reserved:
             return
         if used < reserved:

@@ -189,8 +189,9 @@ class ReplicaCalls:
             raise
 
 
-def not_taken(model: ModelConfig, waited_s: float, cold_start: bool) -> ApiError:
-    """The 503 for a request no replica took within its wait (the gateway's dispatch queue, or Ray's)."""
+def not_taken(model: ModelConfig, waited_s: float, cold_start: bool, retry_after_s: int | None = None) -> ApiError:
+    """The 503 for a request no replica took within its wait (the gateway's flow queue, or Ray's);
+    `retry_after_s`: when to retry, from the measured drain rate, where known."""
     if cold_start:
         ops_metrics.rejection(model.name, "cold_start_timeout")
         log.warning("model %s: no replica started within %ss of a request to the scaled-to-zero model",
@@ -200,5 +201,6 @@ def not_taken(model: ModelConfig, waited_s: float, cold_start: bool) -> ApiError
                         headers={"Retry-After": RETRY_AFTER_S})
     ops_metrics.rejection(model.name, "queue_timeout")
     log.warning("model %s: no replica accepted a request within %ss", model.name, waited_s)
+    retry = RETRY_AFTER_S if retry_after_s is None else str(retry_after_s)
     return ApiError(503, f"no replica of model {model.name!r} could take the request within {waited_s:g}s; "
-                    "retry shortly", code="queue_timeout", headers={"Retry-After": RETRY_AFTER_S})
+                    "retry shortly", code="queue_timeout", headers={"Retry-After": retry})

@@ -1,7 +1,7 @@
 """The one place a request ends: its single typed outcome, recorded once, and the hooks that act on it.
 
 A request picks up obligations on its way through the gateway, recorded on its `RequestEnd`: an admission
-slot in the model's gate (and its turn in the dispatch queue), the replica that answered (its work, the
+slot in the model's gate (and its turn in the flow queue), the replica that answered (its work, the
 routers' in-flight count, for a stream the replica's drain count and token-channel inbox), the version
 outcome for rollouts. When it ends, `settle(outcome)` records the request's `Outcome` on its context, once,
 and runs every registered hook on it, once, in order. The parts of the platform that care how a request
@@ -37,9 +37,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shunter.deployments.gateway.admission import AdmissionGate, DispatchQueue
+from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.context import Ending, Outcome, RequestContext, client_gone, refused
 from shunter.deployments.gateway.draining import DrainTracker
+from shunter.deployments.gateway.flow_queue import FlowQueue
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.errors import ApiError
@@ -108,19 +109,20 @@ class RequestEnd:
     def __init__(self, ctx: RequestContext, tel: RequestTelemetry, hooks: EndHooks):
         self.ctx, self.tel, self.hooks = ctx, tel, hooks
         self.gate: AdmissionGate | None = None
-        self.gate_weight = 1
-        self.turn: DispatchQueue | None = None  # the dispatch queue whose turn the request holds
+        self.gate_weight, self.gate_rank = 1, 0
+        self.turn: FlowQueue | None = None  # the flow queue whose turn the request holds
         self.reply: Reply | None = None
 
     @property
     def settled(self) -> bool:
         return self.ctx.outcome is not None
 
-    def hold(self, gate: AdmissionGate, weight: int = 1) -> None:
-        """The request took `weight` admission slots of `gate` (a batch takes one per engine request)."""
-        self.gate, self.gate_weight = gate, weight
+    def hold(self, gate: AdmissionGate, weight: int = 1, rank: int = 0) -> None:
+        """The request took `weight` admission slots of `gate` (a batch takes one per engine request), for
+        priority class `rank`."""
+        self.gate, self.gate_weight, self.gate_rank = gate, weight, rank
 
-    def dispatched(self, queue: DispatchQueue) -> None:
+    def dispatched(self, queue: FlowQueue) -> None:
         """The request had its turn in `queue` and goes to the replicas."""
         self.turn = queue
 
@@ -189,7 +191,7 @@ def release_admission(end: RequestEnd, outcome: Outcome) -> None:
     if end.turn is not None:
         end.turn.leave()
     if end.gate is not None:
-        end.gate.release(end.gate_weight)
+        end.gate.release(end.gate_weight, end.gate_rank)
 
 
 def finish_telemetry(end: RequestEnd, outcome: Outcome) -> None:
@@ -198,8 +200,9 @@ def finish_telemetry(end: RequestEnd, outcome: Outcome) -> None:
 
 def settle_quota(end: RequestEnd, outcome: Outcome) -> None:
     ticket, usage = end.ctx.ticket, end.ctx.usage
-    if ticket is not None:
-        ticket.settle(str(outcome.status), usage.prompt_tokens, usage.completion_tokens)
+    if ticket is not None:  # a request that never had its turn for a replica reached no engine
+        ticket.settle(str(outcome.status), usage.prompt_tokens, usage.completion_tokens,
+                      reached_engine=end.turn is not None or end.reply is not None)
 
 
 def rollout_hook(traffic: LiveVersions) -> Hook:

@@ -8,8 +8,9 @@ import math
 from typing import Any
 
 from shunter.config import ModelConfig, ShunterConfig
-from shunter.deployments.gateway.admission import AdmissionGate, DispatchQueue
+from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.draining import DrainTracker
+from shunter.deployments.gateway.flow_queue import ClassShares, FlowQueue
 from shunter.deployments.gateway.telemetry import replicas_routable
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.errors import ApiError
@@ -23,7 +24,7 @@ class ServingState:
         self.config, self.servers, self.traffic = config, servers, traffic
         self._routing: dict[str, DeploymentRouting] = {}
         self._gates: dict[str, AdmissionGate] = {}
-        self._queues: dict[str, DispatchQueue] = {}
+        self._queues: dict[str, FlowQueue] = {}
         self._drains: dict[str, DrainTracker] = {}
         self._routable: dict[tuple[str, str], int] = {}  # last exported replica counts
 
@@ -46,11 +47,13 @@ class ServingState:
             gate = self._gates[model.name] = AdmissionGate(bound)
         return gate
 
-    def dispatch(self, model: ModelConfig) -> DispatchQueue:
-        """The model's dispatch queue: admitted requests go to the replicas as slots free, in order."""
+    def dispatch(self, model: ModelConfig) -> FlowQueue:
+        """The model's flow queue: admitted requests go to the replicas as slots free, by priority class and
+        fair share between tenants."""
         queue = self._queues.get(model.name)
         if queue is None:
-            queue = self._queues[model.name] = DispatchQueue(lambda: self.capacity(model))
+            shares = [ClassShares(c.capacity_share, c.min_share) for c in self.config.flow_control.classes]
+            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), shares)
         return queue
 
     def backlog(self) -> dict[str, int]:

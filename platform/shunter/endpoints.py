@@ -90,6 +90,9 @@ class Endpoint:
     judged: bool = False  # the tier monitor compares its answers across tiers
     # Rendered before a stream starts, so a prompt vLLM would refuse mid-stream is a 400 instead.
     renders_before_stream: bool = False
+    # Its request model has vLLM's per-request scheduling `priority`: the gateway sets it from the request's
+    # priority class for an engine with `scheduling_policy: priority`.
+    engine_priority: bool = False
 
     @cached_property
     def validator(self) -> TypeAdapter:
@@ -181,12 +184,13 @@ _OPENAI = "vllm.entrypoints.openai"
 CHAT = Endpoint(
     "chat", "/v1/chat/completions", "OpenAI chat completions", "generate", "chat",
     f"{_OPENAI}.chat_completion.protocol:ChatCompletionRequest", _read_chat, lambda engine, body: engine.chat(body), "messages",
-    max_tokens_field="max_tokens", default_max_tokens="absent", message_list=True, judged=True)
+    max_tokens_field="max_tokens", default_max_tokens="absent", message_list=True, judged=True,
+    engine_priority=True)
 COMPLETION = Endpoint(
     "completion", "/v1/completions", "OpenAI completions", "generate", "text_completion",
     f"{_OPENAI}.completion.protocol:CompletionRequest", _read_completion, lambda engine, body: engine.completion(body), "prompt",
     max_tokens_field="max_tokens", default_max_tokens="null", batch_limit="max_completion_prompts",
-    judged=True, renders_before_stream=True)
+    judged=True, renders_before_stream=True, engine_priority=True)
 EMBEDDING = Endpoint(
     "embedding", "/v1/embeddings", "OpenAI embeddings", "embed", "embeddings",
     "vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest", _read_embedding, lambda engine, body: engine.embedding(body), "input",
@@ -194,7 +198,8 @@ EMBEDDING = Endpoint(
 RESPONSES = Endpoint(
     "responses", "/v1/responses", "OpenAI's Responses API, stateless", "generate", "chat",
     f"{_OPENAI}.responses.protocol:ResponsesRequest", _read_responses, lambda engine, body: engine.responses(body), "input",
-    max_tokens_field="max_output_tokens", default_max_tokens="absent", message_list=True, wire=RESPONSES_EVENTS)
+    max_tokens_field="max_output_tokens", default_max_tokens="absent", message_list=True, wire=RESPONSES_EVENTS,
+    engine_priority=True)
 MESSAGES = Endpoint(
     "messages", "/v1/messages", "Anthropic's Messages API", "generate", "chat",
     "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest", _read_messages, lambda engine, body: engine.messages(body), "messages",

@@ -83,6 +83,7 @@ class EngineSpec:
             "max_model_len": e.max_model_len,
             "dtype": engine_dtype(e.dtype, self.accelerator, e.quantization),
             "max_num_seqs": e.max_num_seqs,
+            "scheduling_policy": e.scheduling_policy,
             "enable_prefix_caching": (
                 e.enable_prefix_caching if e.enable_prefix_caching is not None else self.task == "generate"
             ),

@@ -34,10 +34,11 @@ AGENTS, EMBED_ONLY = new_key(), new_key()  # tests/e2e/test_api_keys_agents.py
 ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2e/test_api_keys_isolation.py)
 LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_keys_disconnect.py)
 JOBS = new_key()  # a batch-class key (tests/e2e/test_api_keys_agents.py: priority classes)
+FLOOD, LIGHT = new_key(), new_key()  # two tenants of one class (tests/e2e/test_api_keys_flow.py)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
        "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
        "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER,
-       "SHUNTER_TEST_KEY_JOBS": JOBS}
+       "SHUNTER_TEST_KEY_JOBS": JOBS, "SHUNTER_TEST_KEY_FLOOD": FLOOD, "SHUNTER_TEST_KEY_LIGHT": LIGHT}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
@@ -47,6 +48,18 @@ LEAVER_TOKENS_PER_MINUTE = 10_000_000  # a quota that settles every request and 
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 ENGINE_SEQS = 16  # each engine's max_num_seqs
+# Two narrow classes after the default three, for the flow-control tests (tests/e2e/test_api_keys_flow.py):
+# each may fill LANE_SLOTS of a gateway's 32 slots of the chat model (64 a replica, over two gateways), so a
+# burst of them queues in the gateways while the engine has room to spare.
+LANE_SLOTS = 2
+FLOW_CONTROL = {
+    "classes": [{"name": "interactive", "max_wait_s": 10},
+                {"name": "standard", "min_share": 0.1},
+                {"name": "batch", "max_wait_s": 50, "capacity_share": 0.75, "min_share": 0.05},
+                {"name": "lane", "max_wait_s": 50, "capacity_share": LANE_SLOTS / 32},
+                {"name": "lane-low", "max_wait_s": 50, "capacity_share": LANE_SLOTS / 32}],
+    "default_class": "standard",
+}
 
 
 def args(admin_key_file: Path) -> dict[str, Any]:
@@ -54,7 +67,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
     return {
         "models": [
             {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
-             "engine": engine},
+             "engine": {**engine, "scheduling_policy": "priority"}},
             {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
              "engine": {**engine, "max_model_len": 256}},
         ],
@@ -64,6 +77,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                                "max_prompt_tokens": MAX_PROMPT_TOKENS, "request_timeout_s": 60,
                                "max_embedding_inputs": MAX_EMBEDDING_INPUTS,
                                "stream_idle_timeout_s": 30}},
+        "flow_control": FLOW_CONTROL,
         "auth": {
             "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
                      {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
@@ -79,7 +93,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "org-two", "key_env": "SHUNTER_TEST_KEY_ORG_TWO", "cache_group": "org"},
                      {"name": "leaver", "key_env": "SHUNTER_TEST_KEY_LEAVER",
                       "tokens_per_minute": LEAVER_TOKENS_PER_MINUTE},
-                     {"name": "jobs", "key_env": "SHUNTER_TEST_KEY_JOBS", "priority_class": "batch"}],
+                     {"name": "jobs", "key_env": "SHUNTER_TEST_KEY_JOBS", "priority_class": "batch"},
+                     {"name": "flood", "key_env": "SHUNTER_TEST_KEY_FLOOD"},
+                     {"name": "light", "key_env": "SHUNTER_TEST_KEY_LIGHT"}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

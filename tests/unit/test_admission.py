@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import pytest
 
 from shunter.deployments.gateway.admission import (
     DEFAULT_RETRY_AFTER_S,
     MAX_RETRY_AFTER_S,
     AdmissionGate,
-    DispatchQueue,
 )
 from tests.unit.fake_clock import Clock
 
@@ -92,93 +88,6 @@ def test_release_never_goes_below_zero():
     assert gate.admitted == 0
 
 
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
-
-
-def test_admitted_requests_beyond_capacity_wait_in_arrival_order_and_go_as_slots_free():
-    async def run() -> list[int]:
-        queue = DispatchQueue(lambda: 2)
-        started: list[int] = []
-
-        async def request(i: int) -> None:
-            assert await queue.enter(timeout_s=5)
-            started.append(i)
-
-        tasks = [asyncio.create_task(request(i)) for i in range(6)]
-        await asyncio.sleep(0.05)
-        assert started == [0, 1] and queue.depth == 4 and queue.dispatched == 2
-        for _ in range(4):
-            queue.leave()
-            await asyncio.sleep(0.01)
-        await asyncio.gather(*tasks)
-        assert queue.dispatched == 2 and queue.depth == 0
-        return started
-
-    assert _run(run()) == [0, 1, 2, 3, 4, 5], "first come, first served"
-
-
-def test_a_model_with_no_capacity_still_sends_one_request_so_ray_starts_a_replica():
-    async def run() -> None:
-        capacity = [0]
-        queue = DispatchQueue(lambda: capacity[0], tick_s=0.02)
-        assert await queue.enter(timeout_s=1), "the one that starts a replica"
-        waiting = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.1)
-        assert not waiting.done() and queue.depth == 1
-        capacity[0] = 4  # a replica started: noticed without any request ending
-        assert await waiting
-
-    _run(run())
-
-
-def test_a_request_that_waits_too_long_or_whose_client_leaves_holds_nothing():
-    async def run() -> None:
-        queue = DispatchQueue(lambda: 1)
-        assert await queue.enter(timeout_s=1)
-        assert not await queue.enter(timeout_s=0.05), "timed out"
-        gone = asyncio.create_task(queue.enter(timeout_s=5))
-        later = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.02)
-        gone.cancel()
-        await asyncio.sleep(0.02)
-        queue.leave()
-        assert await later, "the next live waiter gets the slot the cancelled one gave up"
-        assert queue.dispatched == 1 and queue.depth == 0
-
-    _run(run())
-
-
-def test_a_request_cancelled_as_its_turn_came_gives_the_turn_back():
-    async def run() -> None:
-        queue = DispatchQueue(lambda: 1)
-        assert await queue.enter(timeout_s=1)
-        waiter = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.01)
-        queue.leave()  # its turn comes ...
-        waiter.cancel()  # ... and its client leaves before it runs
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiter
-        assert queue.dispatched == 0, "the turn is not leaked"
-
-    _run(run())
-
-
-def test_turns_given_up_do_not_hold_back_the_next_request():
-    async def run() -> None:
-        capacity = [1]
-        queue = DispatchQueue(lambda: capacity[0], tick_s=60)  # no tick to rescue a stuck request
-        assert await queue.enter(timeout_s=1)
-        gone = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.01)
-        gone.cancel()
-        await asyncio.sleep(0.01)
-        capacity[0] = 2  # a replica started; nothing ended
-        assert await asyncio.wait_for(queue.enter(timeout_s=5), 0.5), "room and no live waiter: no wait"
-
-    _run(run())
-
-
 def test_a_request_expected_to_wait_past_its_budget_is_refused_below_the_count_bound():
     clock = Clock()
     gate = AdmissionGate(max_queued=100, clock=clock)
@@ -197,3 +106,28 @@ def test_a_request_expected_to_wait_past_its_budget_is_refused_below_the_count_b
     # about 10 s of waiting at 8 finishes in 7 s: 11 ahead, then the next is past the budget
     assert admitted == 10 and gate.queued(capacity=2) == 11
     assert gate.try_admit(capacity=2) is None, "without a budget the count bound alone applies"
+
+
+def test_the_bound_counts_a_class_and_the_more_urgent_ones_so_a_batch_backlog_never_refuses_urgent_work():
+    gate = AdmissionGate(max_queued=2, clock=Clock())  # bound: 2 + 2
+    assert [gate.try_admit(capacity=2, rank=2) for _ in range(4)] == [None] * 4
+    assert gate.try_admit(capacity=2, rank=2) is not None, "batch: its own bound is full"
+    assert [gate.try_admit(capacity=2, rank=0) for _ in range(4)] == [None] * 4, "interactive: counts only its own"
+    assert gate.try_admit(capacity=2, rank=1) is not None, "standard: interactive's 4 fill its bound"
+    assert gate.admitted == 8 and gate.admitted_through(1) == 4
+    gate.release(1, rank=0)
+    assert gate.try_admit(capacity=2, rank=1) is None
+    assert gate.admitted_through(0) == 3 and gate.admitted_through(2) == 8
+
+
+def test_the_wait_and_retry_after_follow_the_slots_its_class_needs():
+    clock = Clock()
+    gate = AdmissionGate(max_queued=100, clock=clock)
+    for _ in range(8):  # 8 finishes over 8 s: 8 / 7 a second
+        clock.now += 1
+        gate.try_admit(capacity=50)
+        gate.release()
+    assert gate.expected_wait_s(capacity=50, slots_needed=0) == 0
+    assert gate.expected_wait_s(capacity=50, slots_needed=8) == pytest.approx(7)
+    assert gate.try_admit(capacity=50, max_wait_s=5, slots_needed=8) == 7, "refused: 7 s of waiting, retry then"
+    assert gate.try_admit(capacity=50, max_wait_s=10, slots_needed=8) is None

@@ -88,7 +88,8 @@ class Traffic:
         self.records.append((version, ok))
 
 
-def _request(body: dict[str, Any], path: str = "/v1/chat/completions") -> Request:
+def _request(body: dict[str, Any], path: str = "/v1/chat/completions",
+             headers: dict[str, str] | None = None) -> Request:
     raw = json.dumps(body).encode()
     sent = False
 
@@ -100,7 +101,8 @@ def _request(body: dict[str, Any], path: str = "/v1/chat/completions") -> Reques
         return {"type": "http.request", "body": raw, "more_body": False}
 
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                         *((k.encode(), v.encode()) for k, v in (headers or {}).items())]}
     return Request(scope, receive)
 
 
@@ -179,8 +181,8 @@ def test_a_client_that_leaves_a_whole_reply_stops_the_replica_and_is_charged_wha
                           traffic, None, LiveAdapters(CONFIG))  # type: ignore[arg-type]
     replica.routing = state.routing(MODEL, "default")
     settled: list[tuple[str, int, int]] = []
-    monkeypatch.setattr(Ticket, "settle", lambda self, status, prompt, completion:
-                        settled.append((str(status), prompt, completion)))
+    monkeypatch.setattr(Ticket, "settle", lambda self, status, prompt, completion, reached_engine:
+                        settled.append((str(status), prompt, completion)) if reached_engine else None)
 
     async def run() -> None:
         task = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
@@ -228,3 +230,60 @@ def test_a_refusal_is_returned_in_the_endpoints_envelope_and_holds_nothing(endpo
     assert traffic.records == [("default", False)], "the version could not take it"
     assert forwarder.state.gate(MODEL).admitted == 0 and forwarder.state.dispatch(MODEL).dispatched == 0
     assert replica.routing.load("replica-1") == 0
+
+
+def test_a_client_that_leaves_while_its_request_waits_for_a_slot_frees_the_place_and_is_charged_nothing(monkeypatch):
+    config = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct",
+                                       "max_ongoing_requests": 1}]})
+    replica = LongReplica()
+    forwarder, _, _ = build_pipeline(config, {"m": replica})
+    model = config.models[0]
+    settled: list[tuple[str, bool]] = []
+    monkeypatch.setattr(Ticket, "settle", lambda self, status, prompt, completion, reached_engine:
+                        settled.append((str(status), reached_engine)))
+
+    async def run() -> None:
+        running = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
+        await asyncio.sleep(0.1)
+        queue = forwarder.state.dispatch(model)
+        assert queue.dispatched == 1 and queue.depth == 1 and forwarder.state.gate(model).admitted == 2
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert queue.depth == 0 and forwarder.state.gate(model).admitted == 1, "its place is free"
+        assert settled == [("499", False)], "settled once, as never having reached an engine"
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    asyncio.run(run())
+    assert settled == [("499", False), ("499", True)]
+    assert len(replica.streams) == 1, "the one that left while waiting never reached the replica"
+
+
+class RecordingReplica(Replica):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict[str, Any]] = []
+
+    def remote(self, request: Any) -> ReplicaStream:
+        self.bodies.append(request.body)
+        return super().remote(request)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_engine_gets_the_priority_of_the_requests_class_when_it_schedules_by_priority(policy):
+    config = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct",
+                                       "engine": {"scheduling_policy": policy}}]})
+    replica = RecordingReplica()
+    forwarder, _, _ = build_pipeline(config, {"m": replica})
+    for cls in ("interactive", "batch"):
+        response = asyncio.run(forwarder.forward(_request(_body(), headers={"x-shunter-priority": cls}), CHAT))
+        assert response.status_code == 200 and response.headers["x-shunter-priority"] == cls
+    expected = [0, 2] if policy == "priority" else [None, None]
+    assert [body.get("priority") for body in replica.bodies] == expected
+    refused = asyncio.run(forwarder.forward(_request(_body(priority=-5)), CHAT))
+    assert refused.status_code == 400 and json.loads(bytes(refused.body))["error"]["code"] == "priority_not_allowed"
+    assert len(replica.bodies) == 2, "a client's own engine priority never reaches an engine"

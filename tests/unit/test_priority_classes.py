@@ -12,6 +12,7 @@ from shunter.config import ConfigError, parse_config
 from shunter.deployments.gateway.parsed_request import parse
 from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
 from shunter.endpoints import CHAT, MESSAGES, RESPONSES
+from shunter.engine import EngineSpec
 from shunter.errors import ApiError
 
 pytestmark = pytest.mark.unit
@@ -111,8 +112,35 @@ def test_unknown_and_conflicting_classes_are_400s_naming_what_is_served():
     ({}, [{"name": "k", "priority_class": "vip"}], "auth.keys[k]"),
     ({}, [{"name": "k", "priority_class": "batch", "priority_classes": ["standard"]}], "must be among"),
     ({"classes": [{"name": "now", "max_wait_s": 0}]}, None, "max_wait_s"),
+    ({"classes": [{"name": "now", "capacity_share": 0.5}], "default_class": "now", "service_tiers": {}}, None,
+     "the most urgent class may fill every slot"),
+    ({"classes": [{"name": "a"}, {"name": "b", "capacity_share": 0.5}, {"name": "c", "capacity_share": 0.8}],
+      "default_class": "a", "service_tiers": {}}, None, "flow_control.classes[c].capacity_share"),
+    ({"classes": [{"name": "a", "max_wait_s": 900}], "default_class": "a", "service_tiers": {}}, None,
+     "flow_control.classes[a].max_wait_s (900s) must be shorter than gateway.limits.request_timeout_s"),
+    ({}, [{"name": "k", "weight": 0}], "weight"),
 ])
 def test_a_config_that_names_a_class_wrongly_says_which_field(flow, keys, says):
     with pytest.raises(ConfigError, match=None) as failed:
         config(keys, **flow)
     assert says in str(failed.value)
+
+
+def test_the_default_classes_waits_give_way_to_a_shorter_request_timeout():
+    cfg = parse_config({"models": [MODEL], "gateway": {"queue_timeout_s": 3, "body_timeout_s": 2, "limits": {
+        "request_timeout_s": 8, "stream_idle_timeout_s": 5}}})
+    flow = cfg.flow_control
+    assert [flow.max_wait_s(c.name, 3, 8) for c in flow.classes] == [8, 3, 8], "interactive, standard, batch"
+    assert [(c.capacity_share, c.min_share) for c in flow.classes] == [(1, 0), (1, 0.1), (0.75, 0.05)]
+
+
+def test_every_version_of_a_model_schedules_alike():
+    versions = [{"name": "a", "source": "builtin:smollm2-135m-instruct", "weight": 100},
+                {"name": "b", "source": "builtin:smollm2-135m-instruct", "engine": {"scheduling_policy": "priority"}}]
+    with pytest.raises(ConfigError) as failed:
+        parse_config({"models": [{"name": "chat", "versions": versions}]})
+    assert "scheduling_policy" in str(failed.value)
+    same = parse_config({"models": [{"name": "chat", "versions": versions, "engine": {"scheduling_policy": "priority"}}]})
+    model = same.models[0]
+    spec = EngineSpec("chat", "/m", "generate", model.versions[1].engine, "cpu")
+    assert spec.engine_args()["scheduling_policy"] == "priority", "the engine is told"

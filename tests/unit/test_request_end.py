@@ -3,7 +3,7 @@ end-of-request hook run once on it (the replica's work and the routers' in-fligh
 version's rollout record, the admission slot and dispatch turn, telemetry, the caller's quota), then the
 request's own `on_outcome` callbacks.
 
-Two parts. First, the real RequestEnd, standard hooks, AdmissionGate, DispatchQueue, DrainTracker,
+Two parts. First, the real RequestEnd, standard hooks, AdmissionGate, FlowQueue, DrainTracker,
 RequestTelemetry, StreamFilter, stream relay and ASGI guard, around recording stand-ins for the replica's
 stream, the routing state and the quota ticket (each counts what was done to it). Then the enumeration:
 every ending, whole and streamed, for every endpoint, driven through the real Forwarder (under the
@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request as HttpRequest
 
 from shunter.config import LimitsConfig, parse_config
-from shunter.deployments.gateway.admission import AdmissionGate, DispatchQueue
+from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.context import (
     CLIENT_GONE,
     STREAM_ERROR,
@@ -40,6 +40,7 @@ from shunter.deployments.gateway.context import (
     served,
 )
 from shunter.deployments.gateway.draining import DrainTracker
+from shunter.deployments.gateway.flow_queue import FlowQueue
 from shunter.deployments.gateway.parsed_request import warm_up
 from shunter.deployments.gateway.relay import relay
 from shunter.deployments.gateway.replica_call import Started
@@ -113,9 +114,11 @@ class Routing:
 class Ticket:
     def __init__(self):
         self.settles: list[tuple[str, int, int]] = []
+        self.reached_engine: list[bool] = []
 
-    def settle(self, status: int | str, prompt: int, completion: int) -> None:
+    def settle(self, status: int | str, prompt: int, completion: int, reached_engine: bool = True) -> None:
         self.settles.append((str(status), prompt, completion))
+        self.reached_engine.append(reached_engine)
 
 
 class Rollouts:
@@ -145,11 +148,11 @@ class Request:
         self.gate, self.routing = AdmissionGate(4), Routing(departed)
         self.drains = DrainTracker("smol")
         self.stream = stream
-        self.queue = DispatchQueue(lambda: 4)
+        self.queue = FlowQueue(lambda: 4)
         if admitted:
             assert self.gate.try_admit(4) is None
             self.end.hold(self.gate)
-            self.queue.dispatched += 1  # its turn came at once (DispatchQueue.enter with room)
+            self.queue.dispatched += 1  # its turn came at once (FlowQueue.enter with room)
             self.end.dispatched(self.queue)
 
     def answered(self) -> Started:

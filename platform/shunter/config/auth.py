@@ -85,6 +85,12 @@ class ApiKeyConfig(KeySourceConfig):
         description="The classes this key may ask for (`service_tier` or the x-shunter-priority header); "
         "another is a 403, never a silent change of class. null = its default class and every less urgent one.",
     )
+    weight: float = Field(
+        default=1.0, gt=0, le=1000,
+        description="This key's share among the keys whose requests of one priority class wait for the same "
+        "model: while they wait, each gets slots in proportion to its weight (counted in the tokens its "
+        "requests may use), and all of them when nobody else waits.",
+    )
     cache_group: str | None = Field(
         default=None, pattern=KEY_NAME_PATTERN,
         description="Keys with the same cache group share cached prompt prefixes (one organization's common "

@@ -19,6 +19,7 @@ _OWNED_ENGINE_ARGS = {
     "max_model_len": "engine.max_model_len",
     "dtype": "engine.dtype",
     "max_num_seqs": "engine.max_num_seqs",
+    "scheduling_policy": "engine.scheduling_policy",
     "enable_prefix_caching": "engine.enable_prefix_caching",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "quantization": "engine.quantization",
@@ -49,6 +50,12 @@ class EngineConfig(StrictModel):
         "slower); on GPU, the model's own dtype (vLLM's auto). Each replica logs which dtype it chose and why.",
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Most sequences the engine batches at once.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="How the engine orders the sequences it runs. priority: by each request's priority class "
+        "(flow_control.classes; chat, completions and Responses requests), a more urgent arrival runs ahead "
+        "of less urgent work already waiting in the engine and may preempt it; fcfs: in arrival order.",
+    )
     enable_prefix_caching: bool | None = Field(
         default=None,
         description="Reuse KV blocks of shared prompt prefixes. null = on for generate models, off for "

@@ -9,6 +9,8 @@ any class may be asked for.
 
 from __future__ import annotations
 
+import itertools
+
 from pydantic import Field, model_validator
 
 from shunter.config.auth import KEY_NAME_PATTERN
@@ -21,17 +23,32 @@ class PriorityClassConfig(StrictModel):
     """One priority class."""
 
     name: str = Field(pattern=KEY_NAME_PATTERN, description="The class's name (interactive, batch).")
-    max_wait_s: float = Field(
-        gt=0, le=86_400,
-        description="Longest one of its requests may wait for a slot when the model is full; a request "
-        "expected to wait longer is refused at once with 429 and a Retry-After from the measured drain rate.",
+    max_wait_s: float | None = Field(
+        default=None, gt=0, le=86_400,
+        description="Longest one of its requests may wait for a slot when the model is full (its queueing "
+        "deadline): a request expected to wait longer is refused at once with 429 and a Retry-After from the "
+        "measured drain rate; one still waiting when it passes gets 503 `queue_timeout`. null = "
+        "gateway.queue_timeout_s. Classes you configure must end before gateway.limits.request_timeout_s; the "
+        "default classes' waits are cut to it.",
+    )
+    capacity_share: float = Field(
+        default=1.0, gt=0, le=1,
+        description="The share of a model's slots (replicas x max_ongoing_requests) this class's requests may "
+        "fill together with every other's; the rest stay free for more urgent classes' arrivals. The most "
+        "urgent class must have 1; a class may not have more than a more urgent one.",
+    )
+    min_share: float = Field(
+        default=0.0, ge=0, le=1,
+        description="Anti-starvation: while more urgent classes keep the model full, the share of the slots "
+        "that free which this class still gets when its requests wait (0.05: one in twenty). 0 = strict "
+        "priority: it waits until no more urgent request does.",
     )
 
 
 def _default_classes() -> list[PriorityClassConfig]:
     return [PriorityClassConfig(name="interactive", max_wait_s=10.0),
-            PriorityClassConfig(name="standard", max_wait_s=60.0),
-            PriorityClassConfig(name="batch", max_wait_s=3600.0)]
+            PriorityClassConfig(name="standard", min_share=0.1),
+            PriorityClassConfig(name="batch", max_wait_s=300.0, capacity_share=0.75, min_share=0.05)]
 
 
 class FlowControlConfig(StrictModel):
@@ -64,11 +81,23 @@ class FlowControlConfig(StrictModel):
                                  f"({', '.join(SERVICE_TIERS)})")
             if name not in names:
                 raise ValueError(f"flow_control.service_tiers.{tier}: {name!r} is not one of the classes {names}")
+        if self.classes[0].capacity_share != 1:
+            raise ValueError(f"flow_control.classes[{names[0]}].capacity_share: the most urgent class may fill "
+                             "every slot (1)")
+        for more, less in itertools.pairwise(self.classes):
+            if less.capacity_share > more.capacity_share:
+                raise ValueError(f"flow_control.classes[{less.name}].capacity_share: {less.capacity_share:g} is more "
+                                 f"than the more urgent {more.name}'s {more.capacity_share:g}")
         return self
 
     def rank(self, name: str) -> int:
         """0 for the most urgent class."""
         return next(i for i, c in enumerate(self.classes) if c.name == name)
+
+    def max_wait_s(self, name: str, queue_timeout_s: float, request_timeout_s: float) -> float:
+        """How long a request of class `name` may wait for a slot."""
+        configured = self.classes[self.rank(name)].max_wait_s
+        return min(queue_timeout_s if configured is None else configured, request_timeout_s)
 
     def find(self, name: str) -> PriorityClassConfig | None:
         return next((c for c in self.classes if c.name == name), None)

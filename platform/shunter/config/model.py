@@ -184,6 +184,16 @@ class ModelConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _one_scheduling_policy(self) -> ModelConfig:
+        """The gateway sets a request's engine priority before it chooses the version: every version's engine
+        must schedule alike (vLLM refuses a priority its engine does not schedule by)."""
+        policies = {v.engine.scheduling_policy for v in self.versions} | {self.engine.scheduling_policy}
+        if len(policies) > 1:
+            raise ValueError("engine.scheduling_policy: every version of a model must use the same policy, got "
+                             f"{sorted(policies)}")
+        return self
+
+    @model_validator(mode="after")
     def _source_fits_task(self) -> ModelConfig:
         if self.source is not None:
             _check_source(self.source, self.task, self.engine, "")

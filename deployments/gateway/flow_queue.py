@@ -1,0 +1,196 @@
+"""Who goes first when a model is full: the requests a gateway admitted beyond what the model's replicas take
+at once wait here for a slot, and leave in an order that is fair.
+
+- **Between priority classes, strict priority**: a waiting request of a more urgent class (`flow_control.
+  classes`, most urgent first) takes the next free slot before any of a less urgent one.
+- **Headroom**: a class may fill only its `capacity_share` of the model's slots (the most urgent class all of
+  them), so work of a less urgent class never holds the slot an urgent arrival needs; the engine's own
+  priority scheduling (`engine.scheduling_policy: priority`) then runs that arrival ahead of the work
+  already there.
+- **Anti-starvation**: each time a slot frees while a less urgent class has requests waiting that its
+  headroom would let go, that class earns `min_share` of a turn, and a class with a whole turn earned takes
+  the slot. So while urgent work keeps a model full, a less urgent class still gets `min_share` of the slots
+  that free (1 in 20 for 0.05), never nothing; with `min_share` 0 it waits until no more urgent request does.
+- **Within a class, weighted fair queueing between tenants** (start-time fair queueing): each request is
+  tagged with its tenant's virtual start time, `max(class clock, the tenant's last finish)`, and its
+  finish, start + cost / weight, where the cost is the tokens it may use and the weight its key's
+  `weight`. The smallest start goes first, and the class clock moves to it. A tenant sending ten times more
+  gets its weight's share of the slots while others wait, and every slot nobody else wants (the queue is
+  work-conserving); a tenant that was idle starts at the clock, with no credit saved up.
+
+Each gateway replica queues its own share of a model's slots (`capacity` is this gateway's share, as for
+admission), so with several gateways, each shares its part fairly and the whole stays fair.
+
+A request that waits past its deadline, or whose client leaves, gives up its place (nothing is held). A
+request that got its turn holds it until it ends (`leave`). Capacity that grows without a request ending (a
+replica started) is noticed every `tick_s` while requests wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ClassShares:
+    """What the queue needs to know about one priority class."""
+
+    capacity_share: float = 1.0  # of the model's slots, what this class may fill (with the others)
+    min_share: float = 0.0  # of the turns given to more urgent classes, what it earns while it waits
+
+
+@dataclass(order=True)
+class _Waiter:
+    start: float
+    seq: int
+    turn: asyncio.Future[None] = field(compare=False)
+    tenant: str = field(compare=False)
+
+
+class _ClassQueue:
+    """One class's waiting requests, in start-tag order, and its tenants' fair-queueing tags."""
+
+    def __init__(self) -> None:
+        self.heap: list[_Waiter] = []
+        self.clock = 0.0  # the start tag of the request last given a turn
+        self.last_finish: dict[str, float] = {}
+        self.credit = 0.0  # anti-starvation turns earned
+
+    def push(self, waiter: _Waiter, cost: float, weight: float) -> None:
+        heapq.heappush(self.heap, waiter)
+        self.last_finish[waiter.tenant] = waiter.start + cost / weight
+
+    def start_tag(self, tenant: str) -> float:
+        return max(self.clock, self.last_finish.get(tenant, 0.0))
+
+    def head(self) -> _Waiter | None:
+        """The next request to go, dropping those given up (a deadline passed, the client left)."""
+        while self.heap and self.heap[0].turn.done():
+            heapq.heappop(self.heap)
+        return self.heap[0] if self.heap else None
+
+    def pop(self) -> _Waiter:
+        waiter = heapq.heappop(self.heap)
+        self.clock = max(self.clock, waiter.start)
+        if len(self.last_finish) > 4 * len(self.heap) + 64:  # tenants whose tags fell behind the clock
+            self.last_finish = {t: f for t, f in self.last_finish.items() if f > self.clock}
+        return waiter
+
+    def waiting(self) -> int:
+        return sum(1 for w in self.heap if not w.turn.done())
+
+
+class FlowQueue:
+    """One model's waiting requests in one gateway; see the module docstring."""
+
+    def __init__(self, capacity: Callable[[], int], classes: list[ClassShares] | None = None, tick_s: float = 0.25):
+        self.capacity = capacity
+        self.classes = classes or [ClassShares()]
+        self.tick_s = tick_s
+        self.dispatched = 0  # requests holding a turn
+        self._queues = [_ClassQueue() for _ in self.classes]
+        self._seq = itertools.count()
+        self._ticking = False
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for their turn."""
+        return sum(q.waiting() for q in self._queues)
+
+    def depth_of(self, rank: int) -> int:
+        """Requests of class `rank` waiting for their turn."""
+        return self._queues[rank].waiting()
+
+    def ahead_of(self, rank: int) -> int:
+        """The slots that must free before a request of class `rank` arriving now gets its turn: those
+        waiting of its class and more urgent ones, plus what its class's headroom keeps from it."""
+        waiting = sum(q.waiting() for q in self._queues[:rank + 1])
+        return waiting + max(0, self.dispatched - self._limit(rank) + 1)
+
+    async def enter(self, timeout_s: float, rank: int = 0, tenant: str = "", weight: float = 1.0,
+                    cost: float = 1.0) -> bool:
+        """Wait for this request's turn: True once it may go, False after `timeout_s` (it then holds nothing).
+        A request cancelled while it waits holds nothing either. `tenant` and `weight`: whose request it is
+        and that tenant's share; `cost`: the work it may make (tokens), which its tenant's share pays for."""
+        queue = self._queues[rank]
+        self._pump()  # drops turns given up, so a queue of only those is no queue
+        if self.depth == 0 and self.dispatched < self._limit(rank):
+            queue.clock = max(queue.clock, queue.start_tag(tenant))
+            queue.last_finish[tenant] = queue.clock + cost / weight
+            self.dispatched += 1
+            return True
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue.push(_Waiter(queue.start_tag(tenant), next(self._seq), turn, tenant), cost, weight)
+        self._pump()  # a less urgent class may still have room for it: then it goes at once
+        self._tick()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await turn
+            return True
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
+                return True
+            turn.cancel()
+            self._pump()
+            return False
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.leave()
+            else:
+                turn.cancel()
+                self._pump()
+            raise
+
+    def leave(self) -> None:
+        """A request that had its turn ended, however it ended."""
+        self.dispatched = max(0, self.dispatched - 1)
+        self._pump()
+
+    def _limit(self, rank: int) -> int:
+        """The turns requests of class `rank` may find taken and still go: its share of the slots (always at
+        least one, so a model scaled to zero still gets the request whose arrival at Ray's router starts a
+        replica)."""
+        return max(1, math.floor(max(0, self.capacity()) * self.classes[rank].capacity_share))
+
+    def _pump(self) -> None:
+        while True:
+            rank = self._next_class()
+            if rank is None:
+                return
+            waiter = self._queues[rank].pop()
+            waiter.turn.set_result(None)
+            self.dispatched += 1
+
+    def _next_class(self) -> int | None:
+        """The class whose head goes next, if any may go now."""
+        ready = [r for r, q in enumerate(self._queues) if q.head() is not None and self.dispatched < self._limit(r)]
+        if not ready:
+            return None
+        # Each less urgent class that could go earns its share of this turn; one with a whole turn earned
+        # takes it (so it gets `min_share` of the turns while it waits), else the most urgent class does.
+        for rank in ready[1:]:
+            queue = self._queues[rank]
+            queue.credit = min(1.0, queue.credit + self.classes[rank].min_share)
+        for rank in ready[1:]:
+            if self._queues[rank].credit >= 1.0:
+                self._queues[rank].credit -= 1.0
+                return rank
+        return ready[0]
+
+    def _tick(self) -> None:
+        if self._ticking:
+            return
+        self._ticking = True
+
+        def tick() -> None:
+            self._ticking = False
+            self._pump()
+            if self.depth:
+                self._tick()
+
+        asyncio.get_running_loop().call_later(self.tick_s, tick)

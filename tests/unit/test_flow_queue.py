@@ -1,0 +1,223 @@
+"""The flow queue: when an admitted request goes to the replicas. Strict priority between classes (with
+headroom and anti-starvation), weighted fair shares between tenants inside a class, deadlines and hang-ups
+that give the place up (shunter.deployments.gateway.flow_queue)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from shunter.deployments.gateway.flow_queue import ClassShares, FlowQueue
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_admitted_requests_beyond_capacity_wait_in_arrival_order_and_go_as_slots_free():
+    async def run() -> list[int]:
+        queue = FlowQueue(lambda: 2)
+        started: list[int] = []
+
+        async def request(i: int) -> None:
+            assert await queue.enter(timeout_s=5)
+            started.append(i)
+
+        tasks = [asyncio.create_task(request(i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        assert started == [0, 1] and queue.depth == 4 and queue.dispatched == 2
+        for _ in range(4):
+            queue.leave()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        assert queue.dispatched == 2 and queue.depth == 0
+        return started
+
+    assert _run(run()) == [0, 1, 2, 3, 4, 5], "first come, first served"
+
+
+def test_a_model_with_no_capacity_still_sends_one_request_so_ray_starts_a_replica():
+    async def run() -> None:
+        capacity = [0]
+        queue = FlowQueue(lambda: capacity[0], tick_s=0.02)
+        assert await queue.enter(timeout_s=1), "the one that starts a replica"
+        waiting = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and queue.depth == 1
+        capacity[0] = 4  # a replica started: noticed without any request ending
+        assert await waiting
+
+    _run(run())
+
+
+def test_a_request_that_waits_too_long_or_whose_client_leaves_holds_nothing():
+    async def run() -> None:
+        queue = FlowQueue(lambda: 1)
+        assert await queue.enter(timeout_s=1)
+        assert not await queue.enter(timeout_s=0.05), "timed out"
+        gone = asyncio.create_task(queue.enter(timeout_s=5))
+        later = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.02)
+        gone.cancel()
+        await asyncio.sleep(0.02)
+        queue.leave()
+        assert await later, "the next live waiter gets the slot the cancelled one gave up"
+        assert queue.dispatched == 1 and queue.depth == 0
+
+    _run(run())
+
+
+def test_a_request_cancelled_as_its_turn_came_gives_the_turn_back():
+    async def run() -> None:
+        queue = FlowQueue(lambda: 1)
+        assert await queue.enter(timeout_s=1)
+        waiter = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.01)
+        queue.leave()  # its turn comes ...
+        waiter.cancel()  # ... and its client leaves before it runs
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert queue.dispatched == 0, "the turn is not leaked"
+
+    _run(run())
+
+
+def test_turns_given_up_do_not_hold_back_the_next_request():
+    async def run() -> None:
+        capacity = [1]
+        queue = FlowQueue(lambda: capacity[0], tick_s=60)  # no tick to rescue a stuck request
+        assert await queue.enter(timeout_s=1)
+        gone = asyncio.create_task(queue.enter(timeout_s=5))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        capacity[0] = 2  # a replica started; nothing ended
+        assert await asyncio.wait_for(queue.enter(timeout_s=5), 0.5), "room and no live waiter: no wait"
+
+    _run(run())
+
+
+
+
+async def _hold(queue: FlowQueue, n: int) -> None:
+    """`n` requests take their turns at once (the queue is empty and has room)."""
+    for _ in range(n):
+        assert await queue.enter(timeout_s=1)
+
+
+async def _queue_up(queue: FlowQueue, requests: list[tuple[str, dict]], order: list[str]) -> list[asyncio.Task[bool]]:
+    """Queue `requests` (name, enter's arguments) in this order; `order` gets each one's name as its turn comes."""
+    tasks = []
+    for name, kwargs in requests:
+        task = asyncio.create_task(queue.enter(timeout_s=5, **kwargs))
+        task.add_done_callback(lambda t, name=name: order.append(name) if not t.cancelled() and t.result() else None)
+        tasks.append(task)
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    return tasks
+
+
+async def _drain(queue: FlowQueue, waiting: list[asyncio.Task[bool]]) -> None:
+    """Free one slot at a time until nobody waits."""
+    while not all(task.done() for task in waiting):
+        queue.leave()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+
+def test_with_a_held_queue_a_more_urgent_class_starts_before_earlier_less_urgent_requests():
+    async def run() -> list[str]:
+        queue = FlowQueue(lambda: 1, [ClassShares(), ClassShares(), ClassShares()])
+        await _hold(queue, 1)
+        order: list[str] = []
+        waiting = await _queue_up(queue, [("batch", {"rank": 2}), ("standard", {"rank": 1}), ("batch", {"rank": 2}),
+                                          ("interactive", {"rank": 0}), ("standard", {"rank": 1})], order)
+        assert queue.depth == 5 and [queue.depth_of(r) for r in range(3)] == [1, 2, 2]
+        await _drain(queue, waiting)
+        return order
+
+    assert _run(run()) == ["interactive", "standard", "standard", "batch", "batch"]
+
+
+def test_a_class_fills_only_its_share_of_the_slots_so_an_urgent_arrival_finds_one_free():
+    async def run() -> None:
+        queue = FlowQueue(lambda: 4, [ClassShares(), ClassShares(capacity_share=0.5)])
+        assert await queue.enter(timeout_s=1, rank=1) and await queue.enter(timeout_s=1, rank=1)
+        assert not await queue.enter(timeout_s=0.05, rank=1), "batch's half of the slots is taken"
+        assert queue.ahead_of(1) == 1 and queue.ahead_of(0) == 0
+        assert await asyncio.wait_for(queue.enter(timeout_s=5, rank=0), 0.5), "interactive goes at once"
+        assert queue.dispatched == 3
+
+    _run(run())
+
+
+def test_a_less_urgent_class_still_gets_its_min_share_of_the_turns_while_urgent_work_keeps_the_model_full():
+    async def run() -> list[str]:
+        queue = FlowQueue(lambda: 1, [ClassShares(), ClassShares(min_share=0.25)])
+        await _hold(queue, 1)
+        order: list[str] = []
+        waiting = await _queue_up(queue, [("batch", {"rank": 1})] * 3 + [("interactive", {"rank": 0})] * 9, order)
+        await _drain(queue, waiting)
+        return order
+
+    order = _run(run())
+    assert order[:8].count("batch") == 2 and order[3] == order[7] == "batch", order
+    starved = FlowQueue(lambda: 1, [ClassShares(), ClassShares()])
+
+    async def strict() -> list[str]:
+        await _hold(starved, 1)
+        order: list[str] = []
+        waiting = await _queue_up(starved, [("batch", {"rank": 1})] + [("interactive", {"rank": 0})] * 4, order)
+        await _drain(starved, waiting)
+        return order
+
+    assert _run(strict()) == ["interactive"] * 4 + ["batch"], "min_share 0: strict priority"
+
+
+def test_tenants_of_one_class_get_turns_in_proportion_to_their_weights_however_much_each_sends():
+    async def run(weights: dict[str, float], sent: dict[str, int], first: int) -> list[str]:
+        queue = FlowQueue(lambda: 1)
+        await _hold(queue, 1)
+        requests = [(t, {"tenant": t, "weight": weights[t]}) for t in sent for _ in range(sent[t])]
+        order: list[str] = []
+        waiting = await _queue_up(queue, requests, order)
+        await _drain(queue, waiting)
+        return order[:first]
+
+    equal = _run(run({"flood": 1, "light": 1}, {"flood": 30, "light": 5}, 10))
+    assert equal.count("light") == 5, "sending 6x more buys the flood no more than its half while light waits"
+    weighted = _run(run({"big": 3, "small": 1}, {"big": 30, "small": 30}, 20))
+    assert weighted.count("big") == 15 and weighted.count("small") == 5, weighted
+    alone = _run(run({"flood": 1, "light": 1}, {"flood": 10, "light": 0}, 10))
+    assert alone == ["flood"] * 10, "all of the capacity nobody else wants"
+
+
+def test_shares_count_the_tokens_a_request_may_use():
+    async def run() -> list[str]:
+        queue = FlowQueue(lambda: 1)
+        await _hold(queue, 1)
+        order: list[str] = []
+        waiting = await _queue_up(queue, [("long", {"tenant": "long", "cost": 400})] * 10
+                                  + [("short", {"tenant": "short", "cost": 100})] * 10, order)
+        await _drain(queue, waiting)
+        return order[:10]
+
+    assert _run(run()).count("short") == 8, "a tenant whose requests are 4x longer gets a quarter of the turns"
+
+
+def test_a_tenant_that_was_idle_starts_at_the_class_clock_with_no_credit_saved_up():
+    async def run() -> list[str]:
+        queue = FlowQueue(lambda: 1)
+        await _hold(queue, 1)
+        order: list[str] = []
+        busy = await _queue_up(queue, [("busy", {"tenant": "busy"})] * 20, order)
+        for _ in range(10):  # busy alone takes 10 turns
+            queue.leave()
+            await asyncio.sleep(0)
+        late = await _queue_up(queue, [("late", {"tenant": "late"})] * 10, order)
+        await _drain(queue, busy + late)
+        assert order[:10] == ["busy"] * 10
+        return order[10:20]
+
+    first_ten_after = _run(run())
+    assert 4 <= first_ten_after.count("late") <= 6, first_ten_after
