@@ -144,3 +144,11 @@ def test_every_version_of_a_model_schedules_alike():
     model = same.models[0]
     spec = EngineSpec("chat", "/m", "generate", model.versions[1].engine, "cpu")
     assert spec.engine_args()["scheduling_policy"] == "priority", "the engine is told"
+
+
+def test_a_config_passed_on_as_a_dict_keeps_the_default_classes_waits_cut():
+    """The gateway re-validates the config from its dump, where every field is set."""
+    raw = {"models": [MODEL], "gateway": {"queue_timeout_s": 3, "body_timeout_s": 2,
+                                          "limits": {"request_timeout_s": 8, "stream_idle_timeout_s": 5}}}
+    again = parse_config(parse_config(raw).model_dump())
+    assert again.flow_control.default_classes

@@ -94,6 +94,12 @@ class FlowControlConfig(StrictModel):
         """0 for the most urgent class."""
         return next(i for i, c in enumerate(self.classes) if c.name == name)
 
+    @property
+    def default_classes(self) -> bool:
+        """The classes are the built-in ones (whose waits are cut to a shorter request timeout; a config that
+        sets its own must fit them). Compared by value: a config passed on as a dict sets every field."""
+        return [c.model_dump() for c in self.classes] == [c.model_dump() for c in _default_classes()]
+
     def max_wait_s(self, name: str, queue_timeout_s: float, request_timeout_s: float) -> float:
         """How long a request of class `name` may wait for a slot."""
         configured = self.classes[self.rank(name)].max_wait_s

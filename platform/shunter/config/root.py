@@ -99,7 +99,7 @@ class ShunterConfig(StrictModel):
         phases = [("gateway.queue_timeout_s", gateway.queue_timeout_s),
                   ("gateway.body_timeout_s", gateway.body_timeout_s),
                   ("gateway.limits.stream_idle_timeout_s", limits.stream_idle_timeout_s)]
-        if "classes" in self.flow_control.model_fields_set:  # the defaults' waits give way to a shorter deadline
+        if not self.flow_control.default_classes:  # the defaults' waits give way to a shorter deadline
             phases += [(f"flow_control.classes[{c.name}].max_wait_s", c.max_wait_s)
                        for c in self.flow_control.classes if c.max_wait_s is not None]
         phases += [(f"models[{m.name}].autoscaling.cold_start_timeout_s", m.autoscaling.cold_start_timeout_s)
