@@ -99,9 +99,11 @@ class AdmissionGate:
         self._finished.extend([self.clock()] * weight)
         self._expire()
 
-    def queued(self, capacity: int) -> int:
-        """Admitted requests beyond what the running replicas take at once."""
-        return max(0, self.admitted - max(0, capacity))
+    def queued(self, capacity: int, rank: int | None = None) -> int:
+        """Admitted requests beyond what the running replicas take at once (of class `rank` and the more
+        urgent ones; None: every class)."""
+        admitted = self.admitted if rank is None else self.admitted_through(rank)
+        return max(0, admitted - max(0, capacity))
 
     def finish_rate(self) -> float:
         """Admitted requests finished per second over the recent window."""
@@ -119,9 +121,7 @@ class AdmissionGate:
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(max(1, slots_needed) / rate)))
 
     def _needed(self, capacity: int, rank: int, slots_needed: int | None) -> int:
-        if slots_needed is not None:
-            return slots_needed
-        return self.admitted_through(rank) - max(0, capacity) + 1
+        return self.queued(capacity, rank) + 1 if slots_needed is None else slots_needed
 
     def _rate(self) -> float | None:
         """Finishes per second since the oldest in the window, once enough finished to trust it."""

@@ -35,13 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class ClassShares:
-    """What the queue needs to know about one priority class."""
-
-    capacity_share: float = 1.0  # of the model's slots, what this class may fill (with the others)
-    min_share: float = 0.0  # of the turns given to more urgent classes, what it earns while it waits
+from shunter.config import PriorityClassConfig
 
 
 @dataclass(order=True)
@@ -57,12 +51,14 @@ class _ClassQueue:
 
     def __init__(self) -> None:
         self.heap: list[_Waiter] = []
+        self.waiting = 0  # requests in the heap still waiting (those given up stay there until they surface)
         self.clock = 0.0  # the start tag of the request last given a turn
         self.last_finish: dict[str, float] = {}
         self.credit = 0.0  # anti-starvation turns earned
 
     def push(self, waiter: _Waiter, cost: float, weight: float) -> None:
         heapq.heappush(self.heap, waiter)
+        self.waiting += 1
         self.last_finish[waiter.tenant] = waiter.start + cost / weight
 
     def start_tag(self, tenant: str) -> float:
@@ -76,21 +72,26 @@ class _ClassQueue:
 
     def pop(self) -> _Waiter:
         waiter = heapq.heappop(self.heap)
+        self.waiting -= 1
         self.clock = max(self.clock, waiter.start)
         if len(self.last_finish) > 4 * len(self.heap) + 64:  # tenants whose tags fell behind the clock
             self.last_finish = {t: f for t, f in self.last_finish.items() if f > self.clock}
         return waiter
 
-    def waiting(self) -> int:
-        return sum(1 for w in self.heap if not w.turn.done())
+    def give_up(self, turn: asyncio.Future[None]) -> None:
+        """A waiting request left (its deadline passed, its client left): it no longer counts."""
+        turn.cancel()
+        self.waiting -= 1
 
 
 class FlowQueue:
     """One model's waiting requests in one gateway; see the module docstring."""
 
-    def __init__(self, capacity: Callable[[], int], classes: list[ClassShares] | None = None, tick_s: float = 0.25):
+    def __init__(self, capacity: Callable[[], int], classes: list[PriorityClassConfig] | None = None,
+                 tick_s: float = 0.25):
+        """`classes`: most urgent first (their `capacity_share` and `min_share` apply here); by default one."""
         self.capacity = capacity
-        self.classes = classes or [ClassShares()]
+        self.classes = classes or [PriorityClassConfig(name="all")]
         self.tick_s = tick_s
         self.dispatched = 0  # requests holding a turn
         self._queues = [_ClassQueue() for _ in self.classes]
@@ -100,16 +101,16 @@ class FlowQueue:
     @property
     def depth(self) -> int:
         """Requests waiting for their turn."""
-        return sum(q.waiting() for q in self._queues)
+        return sum(q.waiting for q in self._queues)
 
     def depth_of(self, rank: int) -> int:
         """Requests of class `rank` waiting for their turn."""
-        return self._queues[rank].waiting()
+        return self._queues[rank].waiting
 
     def ahead_of(self, rank: int) -> int:
         """The slots that must free before a request of class `rank` arriving now gets its turn: those
         waiting of its class and more urgent ones, plus what its class's headroom keeps from it."""
-        waiting = sum(q.waiting() for q in self._queues[:rank + 1])
+        waiting = sum(q.waiting for q in self._queues[:rank + 1])
         return waiting + max(0, self.dispatched - self._limit(rank) + 1)
 
     async def enter(self, timeout_s: float, rank: int = 0, tenant: str = "", weight: float = 1.0,
@@ -135,14 +136,14 @@ class FlowQueue:
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
                 return True
-            turn.cancel()
+            queue.give_up(turn)
             self._pump()
             return False
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self.leave()
             else:
-                turn.cancel()
+                queue.give_up(turn)
                 self._pump()
             raise
 

@@ -211,10 +211,9 @@ class Forwarder:
             ops_metrics.rejection(model.name, "queue_full")
             wait = gate.expected_wait_s(capacity, rank, needed)
             about = f" (about {wait:.0f}s of waiting)" if wait else ""
-            queued = max(0, gate.admitted_through(rank) - capacity)
-            raise ApiError(429, f"model {model.name!r} is overloaded: {queued} requests are already waiting for a "
-                           f"replica (priority class {ctx.priority_class!r} or more urgent){about}; retry in "
-                           f"{retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
+            raise ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity, rank)} requests are "
+                           f"already waiting for a replica (priority class {ctx.priority_class!r} or more urgent)"
+                           f"{about}; retry in {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
         end.hold(gate, weight, rank)
         tel.admitted()
         wait = deadline

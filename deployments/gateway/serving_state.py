@@ -10,7 +10,7 @@ from typing import Any
 from shunter.config import ModelConfig, ShunterConfig
 from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.draining import DrainTracker
-from shunter.deployments.gateway.flow_queue import ClassShares, FlowQueue
+from shunter.deployments.gateway.flow_queue import FlowQueue
 from shunter.deployments.gateway.telemetry import replicas_routable
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.errors import ApiError
@@ -52,8 +52,7 @@ class ServingState:
         fair share between tenants."""
         queue = self._queues.get(model.name)
         if queue is None:
-            shares = [ClassShares(c.capacity_share, c.min_share) for c in self.config.flow_control.classes]
-            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), shares)
+            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), self.config.flow_control.classes)
         return queue
 
     def backlog(self) -> dict[str, int]:

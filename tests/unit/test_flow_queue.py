@@ -7,7 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from shunter.deployments.gateway.flow_queue import ClassShares, FlowQueue
+from shunter.config import PriorityClassConfig
+from shunter.deployments.gateway.flow_queue import FlowQueue
+
+
+def shares(**values: float) -> PriorityClassConfig:
+    """A priority class as the queue sees it: only its shares matter here."""
+    return PriorityClassConfig(name="c", **values)
 
 
 def _run(coro):
@@ -127,7 +133,7 @@ async def _drain(queue: FlowQueue, waiting: list[asyncio.Task[bool]]) -> None:
 
 def test_with_a_held_queue_a_more_urgent_class_starts_before_earlier_less_urgent_requests():
     async def run() -> list[str]:
-        queue = FlowQueue(lambda: 1, [ClassShares(), ClassShares(), ClassShares()])
+        queue = FlowQueue(lambda: 1, [shares(), shares(), shares()])
         await _hold(queue, 1)
         order: list[str] = []
         waiting = await _queue_up(queue, [("batch", {"rank": 2}), ("standard", {"rank": 1}), ("batch", {"rank": 2}),
@@ -141,7 +147,7 @@ def test_with_a_held_queue_a_more_urgent_class_starts_before_earlier_less_urgent
 
 def test_a_class_fills_only_its_share_of_the_slots_so_an_urgent_arrival_finds_one_free():
     async def run() -> None:
-        queue = FlowQueue(lambda: 4, [ClassShares(), ClassShares(capacity_share=0.5)])
+        queue = FlowQueue(lambda: 4, [shares(), shares(capacity_share=0.5)])
         assert await queue.enter(timeout_s=1, rank=1) and await queue.enter(timeout_s=1, rank=1)
         assert not await queue.enter(timeout_s=0.05, rank=1), "batch's half of the slots is taken"
         assert queue.ahead_of(1) == 1 and queue.ahead_of(0) == 0
@@ -153,7 +159,7 @@ def test_a_class_fills_only_its_share_of_the_slots_so_an_urgent_arrival_finds_on
 
 def test_a_less_urgent_class_still_gets_its_min_share_of_the_turns_while_urgent_work_keeps_the_model_full():
     async def run() -> list[str]:
-        queue = FlowQueue(lambda: 1, [ClassShares(), ClassShares(min_share=0.25)])
+        queue = FlowQueue(lambda: 1, [shares(), shares(min_share=0.25)])
         await _hold(queue, 1)
         order: list[str] = []
         waiting = await _queue_up(queue, [("batch", {"rank": 1})] * 3 + [("interactive", {"rank": 0})] * 9, order)
@@ -162,7 +168,7 @@ def test_a_less_urgent_class_still_gets_its_min_share_of_the_turns_while_urgent_
 
     order = _run(run())
     assert order[:8].count("batch") == 2 and order[3] == order[7] == "batch", order
-    starved = FlowQueue(lambda: 1, [ClassShares(), ClassShares()])
+    starved = FlowQueue(lambda: 1, [shares(), shares()])
 
     async def strict() -> list[str]:
         await _hold(starved, 1)
