@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shunter.auth import ALL_ADAPTERS, ANONYMOUS, Caller, KeyRing, bearer_token
@@ -52,7 +52,6 @@ class Ticket:
     model: str
     quota: KeyQuota | None
     reserved: int
-    headers: dict[str, str] = field(default_factory=dict)
     default_max_tokens: int | None = None
     prompt_estimate: int = 0
     tokens_at_most: int = 0
@@ -221,7 +220,7 @@ class AccessControl:
                           tokens_at_most=reservation)
         decision = quota.admit(reservation)
         if decision.admitted:
-            return Ticket(caller, model, quota, decision.reserved, decision.headers, default_max_tokens=default,
+            return Ticket(caller, model, quota, decision.reserved, default_max_tokens=default,
                           prompt_estimate=prompt, tokens_at_most=reservation)
         labels = {"key_name": caller.name, "key_id": caller.key_id}
         if decision.never_fits:
@@ -236,6 +235,12 @@ class AccessControl:
         raise ApiError(429, f"rate limit reached for this key ({caller.name}): {per_minute} {limit} per minute; "
                        f"retry in {decision.retry_after_s}s", code="rate_limit_exceeded",
                        headers={"Retry-After": str(decision.retry_after_s), **decision.headers})
+
+    def rate_headers(self, caller: Caller) -> dict[str, str]:
+        """The caller's `x-ratelimit-*` headers as its budgets stand now (none for a key without a quota).
+        Read when a response is made, so a whole reply's headers count its own settled usage."""
+        quota = self._quota(caller)
+        return quota.headers() if quota is not None else {}
 
     def _quota(self, caller: Caller) -> KeyQuota | None:
         config = caller.config

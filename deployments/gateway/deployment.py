@@ -39,6 +39,7 @@ from shunter.deployments.gateway.api_app import app
 from shunter.deployments.gateway.forward import Forwarder
 from shunter.deployments.gateway.lora import LiveAdapters
 from shunter.deployments.gateway.parts import GatewayParts
+from shunter.deployments.gateway.rate_headers import RateLimitHeaders
 from shunter.deployments.gateway.replica_admin import ReplicaAdmin
 from shunter.deployments.gateway.request_body import BodyReader
 from shunter.deployments.gateway.request_end import SettleUnsettled
@@ -54,6 +55,7 @@ app.include_router(openai_routes.router)
 app.include_router(admin_routes.router)
 app.include_router(lora_routes.router)
 app.add_middleware(SettleUnsettled)  # every request settles once, even one whose stream never started
+app.add_middleware(RateLimitHeaders)  # a known caller's x-ratelimit-* headers on every response
 
 
 def _http_host() -> str | None:

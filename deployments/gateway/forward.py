@@ -40,6 +40,7 @@ from shunter.deployments.gateway.context import (
 from shunter.deployments.gateway.lora import Adapter, LiveAdapters
 from shunter.deployments.gateway.parsed_request import parse as parse_body
 from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
+from shunter.deployments.gateway.rate_headers import remember
 from shunter.deployments.gateway.relay import relay
 from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed, not_taken
 from shunter.deployments.gateway.request_body import BodyReader, model_field, parse
@@ -96,6 +97,7 @@ class Forwarder:
     async def _door(self, request: Request, endpoint: Endpoint) -> RequestContext:
         """Who asks, what, of which model, within which limits: the request's context, or a refusal."""
         caller = self.access.client(request.headers)  # before the body is read: strangers cost nothing
+        remember(request, self.access, caller)  # its rate-limit headers on whatever it is answered
         body = await self.body.read_json(request)
         name = model_field(body)
         # Validate once, on typed values: every decision below reads the parsed request.
@@ -147,11 +149,9 @@ class Forwarder:
         return self._with_headers(ctx, response)
 
     def _with_headers(self, ctx: RequestContext, response: Response) -> Response:
-        """The caller's rate-limit headers, its priority class and the tier's, on every answer once the quota
-        was asked."""
+        """The request's priority class and the tier's on every answer past the door (the caller's rate-limit
+        headers are added as the response starts: shunter.deployments.gateway.rate_headers)."""
         response.headers[PRIORITY_HEADER] = ctx.priority_class
-        if ctx.ticket is not None:
-            response.headers.update(ctx.ticket.headers)
         if ctx.tier is not None:
             response.headers.update(self.tiering.headers(ctx.tier))  # type: ignore[union-attr]
         return response

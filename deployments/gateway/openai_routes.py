@@ -21,6 +21,7 @@ from shunter.deployments.gateway.api_app import KEYED, RETRY_AFTER_S, error_resp
 from shunter.deployments.gateway.lora import Adapter
 from shunter.deployments.gateway.openapi import request_body
 from shunter.deployments.gateway.parts import GatewayParts, Parts
+from shunter.deployments.gateway.rate_headers import remember
 from shunter.endpoints import ENDPOINTS, Endpoint
 from shunter.endpoints import serving as serving_paths
 
@@ -79,6 +80,7 @@ async def ready(request: Request, gw: Parts) -> JSONResponse:
 async def list_models(request: Request, gw: Parts) -> dict[str, Any]:
     """The models the caller's key may use."""
     caller = gw.access.client(request.headers)
+    remember(request, gw.access, caller)
     cards = [_model_card(gw, m) for m in gw.config.models if caller.may_use(m.name)]
     cards += [_adapter_card(gw, a) for m in gw.config.models for a in gw.adapters.of(m)
               if caller.may_use(a.name, m.name)]
@@ -90,6 +92,7 @@ async def list_models(request: Request, gw: Parts) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}", openapi_extra=KEYED)
 async def get_model(model_id: str, request: Request, gw: Parts) -> Response:
     caller = gw.access.client(request.headers)
+    remember(request, gw.access, caller)
     if gw.tiering and model_id == gw.tiering.name:
         return JSONResponse(_tier_card(gw))
     model = gw.config.find_model(model_id)

@@ -35,14 +35,17 @@ ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2
 LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_keys_disconnect.py)
 JOBS = new_key()  # a batch-class key (tests/e2e/test_api_keys_agents.py: priority classes)
 FLOOD, LIGHT = new_key(), new_key()  # two tenants of one class (tests/e2e/test_api_keys_flow.py)
+METERED = new_key()  # a key whose rate-limit headers are read (tests/e2e/test_api_keys_flow.py)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
        "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
        "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER,
-       "SHUNTER_TEST_KEY_JOBS": JOBS, "SHUNTER_TEST_KEY_FLOOD": FLOOD, "SHUNTER_TEST_KEY_LIGHT": LIGHT}
+       "SHUNTER_TEST_KEY_JOBS": JOBS, "SHUNTER_TEST_KEY_FLOOD": FLOOD, "SHUNTER_TEST_KEY_LIGHT": LIGHT,
+       "SHUNTER_TEST_KEY_METERED": METERED}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
+METERED_REQUESTS_PER_MINUTE = 60  # 30 per gateway, refilled at one every 2 s
 AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
 LEAVER_TOKENS_PER_MINUTE = 10_000_000  # a quota that settles every request and never refuses one
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
@@ -95,7 +98,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                       "tokens_per_minute": LEAVER_TOKENS_PER_MINUTE},
                      {"name": "jobs", "key_env": "SHUNTER_TEST_KEY_JOBS", "priority_class": "batch"},
                      {"name": "flood", "key_env": "SHUNTER_TEST_KEY_FLOOD"},
-                     {"name": "light", "key_env": "SHUNTER_TEST_KEY_LIGHT"}],
+                     {"name": "light", "key_env": "SHUNTER_TEST_KEY_LIGHT"},
+                     {"name": "metered", "key_env": "SHUNTER_TEST_KEY_METERED",
+                      "requests_per_minute": METERED_REQUESTS_PER_MINUTE, "tokens_per_minute": 60_000}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

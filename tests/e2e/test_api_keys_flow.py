@@ -10,14 +10,17 @@ gateway). Each check is a count: a queue in arrival order would fail it.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from .keyed_app import FLOOD, FULL, LIGHT, TIMEOUT_S
-from .live import CHAT_MODEL
+from .keyed_app import APP, FLOOD, FULL, LIGHT, METERED, METERED_REQUESTS_PER_MINUTE, TIMEOUT_S
+from .live import CHAT_MODEL, gateways_that_served
 
 pytestmark = pytest.mark.own_app
 
@@ -85,3 +88,48 @@ def test_an_unknown_or_forbidden_class_is_refused_and_engine_priority_cannot_be_
         "a standard key may not ask for interactive"
     flex = httpx.post(url, json={**_body(0), "service_tier": "flex"}, headers=headers, timeout=TIMEOUT_S)
     assert flex.status_code == 200 and flex.headers["x-shunter-priority"] == "batch", flex.text
+
+
+def _seconds(reset: str) -> float:
+    """OpenAI's reset duration (`800ms`, `1.5s`, `1m0s`) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:([\d.]+)s)?|(\d+)ms", reset)
+    assert parts is not None and reset, reset
+    if parts.group(3) is not None:
+        return int(parts.group(3)) / 1000
+    return int(parts.group(1) or 0) * 60 + float(parts.group(2) or 0)
+
+
+def test_every_answer_to_a_metered_key_carries_rate_limit_headers_that_decrease_and_reset(keyed_app_url):
+    """Read with the official SDK, as a client would: each gateway holds half the key's requests per minute
+    and reports its remaining half scaled to the whole key, so each request a gateway serves takes 2 off."""
+    client = openai.OpenAI(base_url=f"{keyed_app_url}/v1", api_key=METERED, max_retries=0, timeout=TIMEOUT_S)
+    limit = METERED_REQUESTS_PER_MINUTE
+    seen: dict[str, tuple[int, float]] = {}
+    for i in range(6):
+        rid = f"metered-{uuid.uuid4().hex}"
+        raw = client.chat.completions.with_raw_response.create(
+            model=CHAT_MODEL, max_tokens=2, messages=[{"role": "user", "content": f"Say hi {i}."}],
+            extra_headers={"X-Request-ID": rid})
+        assert raw.parse().usage.completion_tokens > 0
+        assert raw.headers["x-ratelimit-limit-requests"] == str(limit)
+        assert raw.headers["x-ratelimit-limit-tokens"] == "60000"
+        assert 0 < int(raw.headers["x-ratelimit-remaining-tokens"]) < 60_000
+        seen[rid] = (int(raw.headers["x-ratelimit-remaining-requests"]), _seconds(raw.headers["x-ratelimit-reset-requests"]))
+    gateway_of = gateways_that_served(APP, list(seen))
+    assert set(gateway_of) == set(seen), gateway_of
+    for gateway in set(gateway_of.values()):
+        remaining = [seen[rid][0] for rid in seen if gateway_of[rid] == gateway]
+        assert all(later < earlier for earlier, later in zip(remaining, remaining[1:], strict=False)), (gateway, remaining)
+        assert limit - 2 * len(remaining) <= remaining[-1] < limit, (gateway, remaining)
+    # Every answer, not only replies: a refused body and the model list carry them too.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=CHAT_MODEL, max_tokens="lots",  # type: ignore[arg-type]
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.response.headers["x-ratelimit-limit-requests"] == str(limit)
+    listed = client.models.with_raw_response.list()
+    assert int(listed.headers["x-ratelimit-remaining-requests"]) < limit
+    # Once the longest reset has passed, both gateways' budgets are full again.
+    time.sleep(max(reset for _, reset in seen.values()) + 1)
+    after = client.chat.completions.with_raw_response.create(
+        model=CHAT_MODEL, max_tokens=2, messages=[{"role": "user", "content": "Say hi again."}])
+    assert int(after.headers["x-ratelimit-remaining-requests"]) == limit - 2, "reset: only this request taken"
