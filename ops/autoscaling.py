@@ -7,6 +7,10 @@ the arithmetic and the hysteresis are tested without a cluster.
 
 - The need is `ceil(depth / target_per_replica)`, clamped to [min, max]; a count outside [min, max]
   (a new deployment, changed bounds) moves inside at once.
+- Batch work (the priority classes less urgent than the default class, as the gateways count them) scales
+  the model only up to `batch_max_replicas`: the need is that of the other work alone, or the need of all
+  of it capped there, whichever is more. Batch soaks up idle replicas, and the ones more urgent demand
+  started while they run; it starts no more on its own, nor keeps them once that demand is gone.
 - Decisions start from the count Ray is already moving to, not the replicas running now, so holding
   steady while a new replica starts does not cancel it.
 - Scaling up waits until the need has stayed higher for `upscale_delay_s` (a burst of one tick does not
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shunter.ops import metrics
+from shunter.ops.backlog import Backlog
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class ScalingSettings:
     upscale_delay_s: float
     downscale_delay_s: float
     downscale_headroom: float = 0.8  # scaling down must leave replicas at most this full
+    batch_max_replicas: int | None = None  # most replicas batch-class work alone scales to (None: no cap)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -76,22 +82,30 @@ def replicas_needed(depth: float, target_per_replica: float) -> int:
     return math.ceil(max(0.0, depth) / target_per_replica)
 
 
+def _need(depth: float, batch: float, per_replica: float, cap: int | None) -> int:
+    """Replicas for `depth` requests of which `batch` are batch-class work, which alone scales to `cap`."""
+    every = replicas_needed(depth, per_replica)
+    if cap is None:
+        return every
+    return max(replicas_needed(depth - min(batch, depth), per_replica), min(every, cap))
+
+
 def decide(current: int, depth: float, now: float, settings: ScalingSettings, state: ScalingState,
-           starting: int = 0) -> Decision:
-    """The replica count to ask for now, given `depth` requests waiting or running for this version and
-    `starting` of the `current` replicas not running yet."""
+           starting: int = 0, batch: float = 0.0) -> Decision:
+    """The replica count to ask for now, given `depth` requests waiting or running for this version (of
+    which `batch` are batch-class work) and `starting` of the `current` replicas not running yet."""
     s = settings
     if not s.min_replicas <= current <= s.max_replicas:
         return Decision(min(s.max_replicas, max(s.min_replicas, current)), ScalingState(), "into min/max replicas")
-    up_need = min(s.max_replicas, max(s.min_replicas, replicas_needed(depth, s.target_per_replica)))
+    up_need = min(s.max_replicas, max(s.min_replicas, _need(depth, batch, s.target_per_replica, s.batch_max_replicas)))
     if current == 0 and depth > 0:
         return Decision(max(1, up_need), ScalingState(), "scale from zero: requests are waiting")
     if up_need > current:
         since = state.up_since if state.up_since is not None else now
         if now - since >= s.upscale_delay_s:
-            return Decision(up_need, ScalingState(), f"depth {depth:g} needs {up_need} replicas")
+            return Decision(up_need, ScalingState(), f"depth {depth:g}{_of_batch(batch)} needs {up_need} replicas")
         return Decision(current, ScalingState(up_since=since), f"up to {up_need} pending the upscale delay")
-    down_need = replicas_needed(depth, s.target_per_replica * s.downscale_headroom)
+    down_need = _need(depth, batch, s.target_per_replica * s.downscale_headroom, s.batch_max_replicas)
     if depth > 0:
         down_need = max(1, down_need)
     down_need = min(s.max_replicas, max(s.min_replicas, down_need))
@@ -106,11 +120,15 @@ def decide(current: int, depth: float, now: float, settings: ScalingSettings, st
     if down_need < current:
         since = state.down_since if state.down_since is not None else now
         if now - since >= s.downscale_delay_s:
-            return Decision(down_need, ScalingState(), f"depth {depth:g} fits {down_need} replicas")
+            return Decision(down_need, ScalingState(), f"depth {depth:g}{_of_batch(batch)} fits {down_need} replicas")
         carried = state.starting_since if starting else None  # still past the hold for a replica stuck starting
         return Decision(current, ScalingState(down_since=since, starting_since=carried),
                         f"down to {down_need} pending the downscale delay")
     return Decision(current, ScalingState(), "steady")
+
+
+def _of_batch(batch: float) -> str:
+    return f" ({batch:g} batch)" if batch else ""
 
 
 ENGINE_REQUESTS_METRIC = "engine_requests"  # what each ModelServer's record_autoscaling_stats reports
@@ -142,36 +160,40 @@ class QueueDepthPolicy:
         self.versioning = versioning
         self._live: tuple[float, bool] | None = None  # (when read, is this version live)
         self._live_count = 1  # versions of the model live, which share its gateways' backlog
-        self._backlog: tuple[float, int] | None = None  # (when read, requests waiting in the gateways)
+        # (when read, requests waiting in the gateways, batch-class requests waiting or running)
+        self._backlog: tuple[float, Backlog] | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         # The count Ray is already moving to, not the replicas running now: holding at the running count
         # while a new replica starts would cancel that replica.
         target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
-        depth = queue_depth(ctx) + self._gateway_backlog(getattr(ctx, "app_name", None) or "", now)
+        waiting, batch = self._gateway_backlog(getattr(ctx, "app_name", None) or "", now)
+        depth = queue_depth(ctx) + waiting
         running = int(ctx.current_num_replicas or 0)
         version = self.versioning["version"] if self.versioning else "default"
         if self.versioning and not self._is_live(getattr(ctx, "app_name", None) or "", now):
             metrics.autoscaling(self.model, 0, running, depth, version)
             return 0, {"reason": "version retired"}
         decision = decide(int(target), depth, now, self.settings, ScalingState.from_dict(ctx.policy_state),
-                          starting=max(0, int(target) - running))
+                          starting=max(0, int(target) - running), batch=min(batch, depth))
         metrics.autoscaling(self.model, decision.replicas, running, depth, version)
         return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}
 
-    def _gateway_backlog(self, app: str, now: float) -> float:
-        """This version's share of the requests waiting in the gateways' dispatch queues (read from the
-        key-value store at most every LIVE_STATE_TTL_S: this runs inside Ray's control loop)."""
+    def _gateway_backlog(self, app: str, now: float) -> tuple[float, float]:
+        """This version's share of the requests waiting in the gateways' flow queues, and of the batch-class
+        requests waiting or running (read from the key-value store at most every LIVE_STATE_TTL_S: this runs
+        inside Ray's control loop)."""
         if self._backlog is None or now - self._backlog[0] >= LIVE_STATE_TTL_S:
             try:
                 from shunter.ops.backlog import backlog
 
-                waiting = backlog(app, self.model)
+                read = backlog(app, self.model)
             except Exception:  # noqa: BLE001 - the GCS briefly unreachable: keep the last answer
-                waiting = self._backlog[1] if self._backlog is not None else 0
-            self._backlog = (now, waiting)
-        return self._backlog[1] / max(1, self._live_count)
+                read = self._backlog[1] if self._backlog is not None else Backlog(0, 0)
+            self._backlog = (now, read)
+        live = max(1, self._live_count)
+        return self._backlog[1].waiting / live, self._backlog[1].batch / live
 
     def _is_live(self, app: str, now: float) -> bool:
         assert self.versioning is not None

@@ -54,6 +54,10 @@ class AdmissionGate:
         """Admitted requests not yet finished of class `rank` and the more urgent ones."""
         return sum(n for r, n in self._by_rank.items() if r <= rank)
 
+    def admitted_below(self, rank: int) -> int:
+        """Admitted requests not yet finished of the classes less urgent than `rank`."""
+        return sum(n for r, n in self._by_rank.items() if r > rank)
+
     def try_admit(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1, rank: int = 0,
                   slots_needed: int | None = None) -> int | None:
         """Admit one request (None), or refuse it: the seconds a client should wait before retrying. It is

@@ -68,9 +68,9 @@ def _http_host() -> str | None:
         return None
 
 
-def _report_backlog(reporter: BacklogReporter, depths: dict[str, int]) -> None:
+def _report_backlog(reporter: BacklogReporter, backlog: tuple[dict[str, int], dict[str, int]]) -> None:
     try:
-        reporter.report(depths)
+        reporter.report(*backlog)
     except Exception:  # noqa: BLE001 - the GCS briefly unreachable: the next second tries again
         log.warning("could not report the gateway's backlog to the autoscaler", exc_info=True)
 

@@ -55,9 +55,13 @@ class ServingState:
             queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), self.config.flow_control.classes)
         return queue
 
-    def backlog(self) -> dict[str, int]:
-        """Per model, the admitted requests waiting in this gateway for a replica slot."""
-        return {name: queue.depth for name, queue in self._queues.items()}
+    def backlog(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per model, the admitted requests waiting in this gateway for a replica slot; and per model, the
+        admitted requests of the batch classes (less urgent than the default class), waiting or running,
+        which the autoscaling policy lets start at most `autoscaling.batch_max_replicas`."""
+        below = self.config.flow_control.rank(self.config.flow_control.default_class)
+        return ({name: queue.depth for name, queue in self._queues.items()},
+                {name: gate.admitted_below(below) for name, gate in self._gates.items()})
 
     def drains(self, model: ModelConfig) -> DrainTracker:
         tracker = self._drains.get(model.name)

@@ -264,7 +264,7 @@ def _policy_kwargs(model: ModelConfig) -> dict[str, Any]:
                 "target_per_replica": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
     return {"model": model.name, "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
             "target_per_replica": scaling.target_queue_per_replica, "upscale_delay_s": scaling.upscale_delay_s,
-            "downscale_delay_s": scaling.downscale_delay_s}
+            "downscale_delay_s": scaling.downscale_delay_s, "batch_max_replicas": scaling.batch_replicas}
 
 
 def _autoscaling_config(least: int, most: int, initial: int, policy_kwargs: dict[str, Any]) -> dict[str, Any]:

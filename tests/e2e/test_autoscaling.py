@@ -3,7 +3,8 @@
 One app on its own Ray cluster (2 cores: at most two one-core engines at a time):
 - `cold`, an embedding model with min_replicas 0: once scaled to zero, a request is held while a replica
   starts and is answered;
-- `smol`, SmolLM2 with min 1 / max 2: a burst scales it to 2 replicas (seen in `serve status`, in the
+- `smol`, SmolLM2 with min 1 / max 2: a burst of batch-class work (OpenAI's `service_tier: flex`) alone
+  does not scale it (its batch cap defaults to min_replicas); the same burst in the default class scales it to 2 replicas (seen in `serve status`, in the
   replica headers and in the exported metrics) and, once the burst is over, back to 1 while a steady
   load runs, with no failed request and no truncated stream;
 - an overload of `smol` gets 429s with Retry-After while every admitted request is answered, and the
@@ -67,6 +68,7 @@ class Load:
     client: Any
     workers: int
     max_tokens: int = 48
+    service_tier: str | None = None
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     replicas: dict[str, float] = field(default_factory=dict)  # replica -> when it first answered
@@ -100,7 +102,8 @@ class Load:
             raw = self.client.chat.completions.with_raw_response.create(
                 model="smol", stream=True, max_tokens=self.max_tokens, temperature=0,
                 messages=[{"role": "user", "content": question}],
-                extra_headers={"X-Request-ID": request_id} if request_id else None)
+                extra_headers={"X-Request-ID": request_id} if request_id else None,
+                extra_body={"service_tier": self.service_tier} if self.service_tier else None)
             finish, first = None, None
             for chunk in raw.parse():
                 if chunk.choices and chunk.choices[0].delta.content and first is None:
@@ -139,6 +142,27 @@ def test_a_model_scaled_to_zero_is_not_woken_by_ready_and_answers_its_first_requ
     assert len(result.data[0].embedding) == 384
     assert running_replicas(APP, COLD) == 1
     wait_replicas(APP, COLD, 0, timeout_s=120)  # back to zero: its core is free for smol's second replica
+
+
+def _replicas_in_any_state(deployment: str) -> int:
+    from ray import serve
+
+    return sum(serve.status().applications[APP].deployments[deployment].replica_states.values())
+
+
+def test_a_burst_of_batch_work_alone_is_served_without_scaling_out(app):
+    """Batch work soaks up the replica that runs; it does not start another (the next test's burst, the
+    same load in the default class, does within seconds)."""
+    live, _ = app
+    wait_replicas(APP, SMOL, 1, timeout_s=240)
+    with Load(live.openai(timeout=300), workers=6, max_tokens=32, service_tier="flex") as batch:
+        seen = set()
+        for _ in range(20):  # well past the upscale delay of 2 s and the policy's reads of the backlog
+            time.sleep(1)
+            seen.add(_replicas_in_any_state(SMOL))  # a replica being started counts
+    print(f"\nbatch burst: {batch.ok} answered, {len(batch.failures)} failed; replicas seen {sorted(seen)}")
+    assert not batch.failures, batch.failures[:5]
+    assert batch.ok > 0 and seen == {1}, seen
 
 
 def test_a_burst_scales_to_two_and_back_to_one_without_losing_a_request(app):

@@ -199,3 +199,29 @@ def test_a_replica_that_never_starts_does_not_pin_the_count_up():
     state = decision.state
     later = decide(2, 0, MAX_START_HOLD_S + 1 + settings.downscale_delay_s, settings, state, starting=1)
     assert later.replicas < 2, "after the hold, the normal downscale delay applies"
+
+
+def test_batch_work_soaks_up_replicas_but_starts_at_most_its_cap():
+    capped = ScalingSettings(min_replicas=0, max_replicas=4, target_per_replica=8, upscale_delay_s=0,
+                             downscale_delay_s=30, batch_max_replicas=1)
+    assert decide(0, 40, 0, capped, ScalingState(), batch=40).replicas == 1, "batch alone wakes a model: one"
+    assert decide(1, 40, 0, capped, ScalingState(), batch=40).replicas == 1, "and starts no more"
+    assert decide(1, 40, 0, capped, ScalingState(), batch=16).replicas == 3, "24 urgent need 3"
+    # Urgent demand gone, batch work left: down to the cap after the delay, never below it while it runs.
+    state = decide(3, 40, 0, capped, ScalingState(), batch=40).state
+    assert decide(3, 40, 30, capped, state, batch=40).replicas == 1
+    uncapped = ScalingSettings(min_replicas=0, max_replicas=4, target_per_replica=8, upscale_delay_s=0,
+                               downscale_delay_s=30)
+    assert decide(1, 40, 0, uncapped, ScalingState(), batch=40).replicas == 4, "no cap: batch counts as all work"
+
+
+def test_the_batch_cap_defaults_to_min_replicas_and_may_not_exceed_max_replicas():
+    from shunter.config import ConfigError, parse_config
+
+    smol = {"name": "s", "source": "builtin:smollm2-135m-instruct"}
+    cfg = parse_config({"models": [{**smol, "autoscaling": {"min_replicas": 0, "max_replicas": 3}}]})
+    assert cfg.models[0].autoscaling.batch_replicas == 1
+    cfg = parse_config({"models": [{**smol, "autoscaling": {"min_replicas": 2, "max_replicas": 3}}]})
+    assert cfg.models[0].autoscaling.batch_replicas == 2
+    with pytest.raises(ConfigError, match="batch_max_replicas"):
+        parse_config({"models": [{**smol, "autoscaling": {"max_replicas": 3, "batch_max_replicas": 4}}]})

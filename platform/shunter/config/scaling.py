@@ -24,6 +24,16 @@ class AutoscalingConfig(StrictModel):
     downscale_delay_s: float = Field(
         default=60.0, ge=0, description="How long the need for fewer replicas must last before scaling down."
     )
+    batch_max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Most replicas the work of the batch classes (those less urgent than "
+        "`flow_control.default_class`) scales the model to on its own: it soaks up idle capacity and uses "
+        "replicas the other classes' demand started, but does not start more than this. Default: "
+        "min_replicas (at least 1, so batch work alone can wake a model scaled to zero). The other classes "
+        "scale up to max_replicas as before.",
+    )
     cold_start_timeout_s: float = Field(
         default=300.0,
         gt=0,
@@ -35,7 +45,15 @@ class AutoscalingConfig(StrictModel):
     def _bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.batch_max_replicas is not None and self.batch_max_replicas > self.max_replicas:
+            raise ValueError(f"batch_max_replicas ({self.batch_max_replicas}) exceeds max_replicas "
+                             f"({self.max_replicas})")
         return self
+
+    @property
+    def batch_replicas(self) -> int:
+        """The most replicas batch work alone scales to."""
+        return self.batch_max_replicas if self.batch_max_replicas is not None else max(1, self.min_replicas)
 
 
 class AdmissionConfig(StrictModel):
