@@ -2,8 +2,9 @@
 
 Validates `args` into a ShunterConfig before anything starts, plans it (`shunter.serve_plan`: accelerators,
 cores, replica counts, placement; a config that cannot run is refused there), then binds one ModelServer
-deployment per model version and one Gateway in front. The Serve options added here are those that name
-this side's classes (the request router, the autoscaling policy) and the health and drain timings.
+deployment per model version, the usage ledger (on the head node) and one Gateway in front. The Serve
+options added here are those that name this side's classes (the request router, the autoscaling policy)
+and the health and drain timings.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ray.serve import Application
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.deployments.gateway.deployment import Gateway
 from shunter.deployments.gateway.draining import SHUTDOWN_POLL_S, ray_shutdown_timeout_s
+from shunter.deployments.ledger.deployment import LEDGER_OPTIONS, UsageLedger
 from shunter.deployments.replica.model_server import ModelServer
 from shunter.routing.custom import guarded_path, import_router
 from shunter.serve_plan import ClusterView, plan_deployments
@@ -114,9 +116,13 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
             servers[model.name][version] = (
                 serve.deployment(ModelServer)
                 .options(**plan["deployment"], logging_config=logs)
-                .bind(model.for_version(version).model_dump(mode="json"), cfg.model_cache_dir, plan["cpu_cores"],
-                      plan["accelerator"], engine_factory, version, observability)
+                # Without `pricing`: a price change is the gateway's alone and restarts no engine.
+                .bind(model.for_version(version).model_dump(mode="json", exclude={"pricing"}), cfg.model_cache_dir,
+                      plan["cpu_cores"], plan["accelerator"], engine_factory, version, observability)
             )
+    # The usage ledger: one replica on the head node, where its SQLite file (usage.path) lives.
+    ledger = UsageLedger.options(**LEDGER_OPTIONS, logging_config=logs).bind(cfg.usage.path) \
+        if cfg.usage.enabled else None
     # The gateway computes almost nothing (it relays), so it reserves no CPU a model engine could own.
     # It relays every model's streams, so it drains as long as the longest-draining model.
     return Gateway.options(
@@ -128,7 +134,7 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         max_surge_percent=100,
         logging_config=logs,
-    ).bind(cfg.model_dump(mode="json"), servers)
+    ).bind(cfg.model_dump(mode="json"), servers, ledger)
 
 
 def serve_logging_config(cfg: ShunterConfig) -> dict[str, Any]:

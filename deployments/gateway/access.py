@@ -56,6 +56,7 @@ class Ticket:
     prompt_estimate: int = 0
     tokens_at_most: int = 0
     _settled: bool = False
+    charged: tuple[int, int] | None = None  # once settled: the (prompt, completion) tokens the key was charged
 
     def settle(self, status: int | str, prompt_tokens: int, completion_tokens: int,
                reached_engine: bool = True) -> None:
@@ -72,6 +73,7 @@ class Ticket:
             prompt_tokens = completion_tokens = 0
         elif not prompt_tokens and str(status) in _CUT_SHORT:
             prompt_tokens = self.prompt_estimate
+        self.charged = (prompt_tokens, completion_tokens)
         if self.quota is not None:
             self.quota.settle(self.reserved, prompt_tokens + completion_tokens, request_back=not reached_engine)
         labels = {"key_name": self.caller.name, "key_id": self.caller.key_id, "model": self.model}

@@ -16,7 +16,8 @@ This module only wires one gateway replica together; each concern has its own mo
   release, breaker, rollout, admission, telemetry, quota);
 - `serving_state`: per model and version, the routing state, admission gate, flow queue and drain
   tracker (`admission`, `flow_queue`, `draining`); `priority`: the class at the door; `access` and `quotas`:
-  keys, limits and per-key budgets.
+  keys, limits and per-key budgets; `usage`: one usage record per settled request, batched to the usage
+  ledger (shunter.deployments.ledger).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ from shunter.deployments.gateway.request_end import SettleUnsettled
 from shunter.deployments.gateway.serving_state import ServingState
 from shunter.deployments.gateway.tiering import Tiering
 from shunter.deployments.gateway.traffic import LiveVersions
+from shunter.deployments.gateway.usage import UsageWriter
 from shunter.ops.backlog import BacklogReporter
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
+
+USAGE_FLUSH_ON_STOP_S = 2.0  # how long a stopping gateway tries to hand its buffered usage records over
 
 app.include_router(openai_routes.router)
 app.include_router(admin_routes.router)
@@ -78,8 +82,12 @@ def _report_backlog(reporter: BacklogReporter, backlog: tuple[dict[str, int], di
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
-    def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]]):
-        """`model_servers`: model -> version -> the handle of that version's ModelServer deployment."""
+    _usage_closed = False
+
+    def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]],
+                 ledger: DeploymentHandle | None = None):
+        """`model_servers`: model -> version -> the handle of that version's ModelServer deployment;
+        `ledger`: the UsageLedger deployment's (None: usage.enabled is false)."""
         cfg = ShunterConfig.model_validate(config)
         refusal = open_public_bind(_http_host(), cfg.auth)
         if refusal is not None:
@@ -105,7 +113,16 @@ class Gateway:
         replicas = ReplicaAdmin(traffic, model_servers, state.routing)
         body = BodyReader(cfg.gateway)
         adapters = LiveAdapters(cfg)
+        usage = UsageWriter(cfg.usage, ledger) if ledger is not None else None
         self.parts = GatewayParts(
             config=cfg, access=access, body=body, state=state, traffic=traffic, replicas=replicas,
-            forwarder=Forwarder(cfg, access, body, state, traffic, tiering, adapters), tiering=tiering,
-            adapters=adapters, servers=model_servers, created=int(time.time()))
+            forwarder=Forwarder(cfg, access, body, state, traffic, tiering, adapters, usage), tiering=tiering,
+            adapters=adapters, servers=model_servers, created=int(time.time()), usage=usage)
+
+    async def __del__(self) -> None:
+        """Serve awaits this once the replica's requests drained (scale-down, update, shutdown): the usage
+        records still buffered go to the ledger first, within USAGE_FLUSH_ON_STOP_S."""
+        parts = getattr(self, "parts", None)
+        if parts is not None and parts.usage is not None and not self._usage_closed:
+            self._usage_closed = True
+            await parts.usage.close(USAGE_FLUSH_ON_STOP_S)

@@ -44,7 +44,7 @@ from shunter.deployments.gateway.rate_headers import remember
 from shunter.deployments.gateway.relay import relay
 from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed, not_taken
 from shunter.deployments.gateway.request_body import BodyReader, model_field, parse
-from shunter.deployments.gateway.request_end import STATE_KEY, Reply, RequestEnd, standard_hooks
+from shunter.deployments.gateway.request_end import STATE_KEY, Reply, RequestEnd, UsageWriter, standard_hooks
 from shunter.deployments.gateway.serving_state import ServingState, all_replicas_out
 from shunter.deployments.gateway.stream_filter import StreamFilter
 from shunter.deployments.gateway.telemetry import RequestTelemetry
@@ -69,13 +69,13 @@ SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the sam
 
 class Forwarder:
     def __init__(self, config: ShunterConfig, access: AccessControl, body: BodyReader, state: ServingState,
-                 traffic: LiveVersions, tiering: Tiering | None, adapters: LiveAdapters):
+                 traffic: LiveVersions, tiering: Tiering | None, adapters: LiveAdapters, usage: UsageWriter | None = None):
         self.config, self.access, self.body, self.state = config, access, body, state
         self.adapters = adapters
         self.traffic, self.tiering = traffic, tiering
         self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s,
                                   GatewayChannels() if config.gateway.token_channel else None)
-        self.hooks = standard_hooks(traffic)  # what every request's outcome is told to
+        self.hooks = standard_hooks(traffic, usage)  # what every request's outcome is told to
         self.classes = PriorityClasses(config.flow_control)
 
     async def forward(self, request: Request, endpoint: Endpoint) -> Response:
@@ -209,6 +209,7 @@ class Forwarder:
         retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
+            tel.refused("queue_full")
             wait = gate.expected_wait_s(capacity, rank, needed)
             about = f" (about {wait:.0f}s of waiting)" if wait else ""
             raise ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity, rank)} requests are "
@@ -225,7 +226,9 @@ class Forwarder:
         share = caller.config.weight if caller is not None and caller.config is not None else 1.0
         cost = max(1, ticket.tokens_at_most) if ticket is not None else 1
         if not await queue.enter(wait, rank, tenant, share, cost):
+            tel.refused("cold_start_timeout" if cold else "queue_timeout")
             raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank)))
+        tel.turn()
         end.dispatched(queue)
         return await self._admitted(end, versions)
 

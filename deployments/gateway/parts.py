@@ -23,6 +23,7 @@ from shunter.deployments.gateway.request_body import BodyReader
 from shunter.deployments.gateway.serving_state import ServingState
 from shunter.deployments.gateway.tiering import Tiering
 from shunter.deployments.gateway.traffic import LiveVersions
+from shunter.deployments.gateway.usage import UsageWriter
 
 
 @dataclass
@@ -38,6 +39,7 @@ class GatewayParts:
     adapters: LiveAdapters  # the LoRA adapters served now: the config's, with the admin API's changes
     servers: dict[str, dict[str, Any]]  # model -> version -> ModelServer deployment handle
     created: int  # when this gateway started (the model cards' `created`)
+    usage: UsageWriter | None = None  # the usage ledger's writer; None: usage.enabled is false
 
 
 async def parts() -> GatewayParts:

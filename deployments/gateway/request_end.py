@@ -17,6 +17,8 @@ PostResponse hooks), rather than being called from each place a request can end:
 - `telemetry`: metrics and spans;
 - `quota`: the caller's reservation, settled on the tokens really used (a client that left: what the
   engine had produced, shunter.deployments.gateway.context.Usage.client_left);
+- `usage`: one usage record of what the quota charged, for the ledger and the per-key usage metrics
+  (shunter.deployments.gateway.usage);
 - then the request's own `on_outcome` callbacks (the tier monitor's sampled comparison).
 
 Where a request is settled: a whole reply when its response is built (or refused, or failed) in the
@@ -43,6 +45,7 @@ from shunter.deployments.gateway.draining import DrainTracker
 from shunter.deployments.gateway.flow_queue import FlowQueue
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.traffic import LiveVersions
+from shunter.deployments.gateway.usage import UsageWriter, record_usage
 from shunter.errors import ApiError
 from shunter.routing.state import DeploymentRouting
 
@@ -223,9 +226,11 @@ def rollout_hook(traffic: LiveVersions) -> Hook:
     return hook
 
 
-def standard_hooks(traffic: LiveVersions) -> EndHooks:
+def standard_hooks(traffic: LiveVersions, usage: UsageWriter | None = None) -> EndHooks:
     """Every gateway's hooks, in the order they must run: the replica first (the routers read the usage
-    the reply reported), the quota last (after a client that left was charged what the engine produced)."""
+    the reply reported), the quota after a client that left was charged what the engine produced, and the
+    usage record last, with what the quota charged (`usage`: the gateway's ledger writer; None: metrics
+    only)."""
     hooks = EndHooks()
     hooks.register("replica", release_replica)
     hooks.register("breaker", record_breaker)
@@ -233,6 +238,7 @@ def standard_hooks(traffic: LiveVersions) -> EndHooks:
     hooks.register("admission", release_admission)
     hooks.register("telemetry", finish_telemetry)
     hooks.register("quota", settle_quota)
+    hooks.register("usage", record_usage(usage))
     return hooks
 
 

@@ -12,6 +12,10 @@ were relayed, and how it ended; it records:
   the engine's usage of a whole reply, a stream's running usage read by the stream filter, a whole reply's
   last heartbeat when its client left first);
 - per-process gauges of requests in flight per version and waiting for a replica per model;
+- flow control (issue 38), by model, priority class and tenant (the key's name; "" without keys): the
+  requests waiting in this gateway's flow queue (`shunter_flow_queued`), how long each waited there for its
+  turn (`shunter_flow_wait_seconds`), and the ones that never got a turn, by reason
+  (`shunter_flow_refusals_total`: queue_full, queue_timeout, cold_start_timeout, client_left);
 - for a request to a LoRA adapter, `shunter_adapter_requests_total{model,adapter,status}` and its tokens
   (the span carries `shunter.adapter`).
 
@@ -41,12 +45,14 @@ log = logging.getLogger("ray.serve")
 _NAMES = ("shunter_requests_total", "shunter_time_to_first_token_seconds", "shunter_inter_token_latency_seconds",
           "shunter_e2e_request_latency_seconds", "shunter_prompt_tokens_total", "shunter_completion_tokens_total",
           "shunter_requests_in_flight", "shunter_requests_queued", "shunter_replicas_routable",
-          "shunter_adapter_requests_total", "shunter_adapter_tokens_total")
+          "shunter_adapter_requests_total", "shunter_adapter_tokens_total", "shunter_flow_queued",
+          "shunter_flow_wait_seconds", "shunter_flow_refusals_total")
 _record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
 
 # This process's gauges, as counts: Ray gauges are set, not incremented.
 _in_flight: Counter[tuple[str, str]] = Counter()
 _queued: Counter[str] = Counter()
+_flow_queued: Counter[tuple[str, str, str]] = Counter()  # (model, priority class, tenant)
 
 
 def replicas_routable(model: str, version: str, count: int) -> None:
@@ -65,6 +71,8 @@ class RequestTelemetry:
         self.last_chunk_at: float | None = None
         self.replica: str | None = None
         self._queued = False
+        self._flow = (self.model, ctx.priority_class, ctx.caller.name if ctx.caller is not None else "")
+        self._flow_since: float | None = None  # when it began waiting in the flow queue, while it waits
         self._flying = False
         self._flying_version = ctx.version
         self._done = False
@@ -98,6 +106,26 @@ class RequestTelemetry:
         self._queued = True
         _queued[self.model] += 1
         self._set_queued()
+        self._flow_since = time.monotonic()
+        _flow_queued[self._flow] += 1
+        self._set_flow_queued()
+
+    def turn(self) -> None:
+        """The flow queue let it go to the replicas."""
+        since = self._leave_flow()
+        if since is not None:
+            wait, (model, cls, tenant) = time.monotonic() - since, self._flow
+            _record(lambda m: m["shunter_flow_wait_seconds"].observe(
+                wait, tags={"model": model, "priority_class": cls, "key_name": tenant}))
+
+    def refused(self, reason: str) -> None:
+        """It never got a turn: refused at admission (queue_full), its wait ran out (queue_timeout,
+        cold_start_timeout), its client left while it waited (client_left), or the request timeout passed
+        (request_timeout)."""
+        self._leave_flow()
+        model, cls, tenant = self._flow
+        _record(lambda m: m["shunter_flow_refusals_total"].inc(
+            1, tags={"model": model, "priority_class": cls, "key_name": tenant, "reason": reason}))
 
     def routing(self, version: str, attempt: int) -> dict[str, str]:
         """A routing attempt on `version` starts; returns the trace carrier for the replica."""
@@ -147,6 +175,8 @@ class RequestTelemetry:
         if self._done:
             return
         self._done = True
+        if self._flow_since is not None:  # still waiting for its turn: the client left, or the request timed out
+            self.refused("client_left" if str(status) == "499" else "request_timeout")
         self._leave_queue()
         self._end_route(None)
         self._land()
@@ -201,6 +231,18 @@ class RequestTelemetry:
             self._queued = False
             _queued[self.model] -= 1
             self._set_queued()
+
+    def _leave_flow(self) -> float | None:
+        since, self._flow_since = self._flow_since, None
+        if since is not None:
+            _flow_queued[self._flow] -= 1
+            self._set_flow_queued()
+        return since
+
+    def _set_flow_queued(self) -> None:
+        count, (model, cls, tenant) = _flow_queued[self._flow], self._flow
+        _record(lambda m: m["shunter_flow_queued"].set(
+            count, tags={"model": model, "priority_class": cls, "key_name": tenant}))
 
     def _end_route(self, failure: str | None) -> None:
         span, self._route_span = self._route_span, None

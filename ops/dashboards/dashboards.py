@@ -1,4 +1,4 @@
-"""Shunter's Grafana dashboards: overview, per model, routing, capacity, rollouts.
+"""Shunter's Grafana dashboards: overview, per model, routing, capacity, flow control, rollouts.
 
 Each function returns one dashboard's JSON. Panel texts say what a series means in Shunter's terms
 (see README: Routing; Scaling, overload and draining; Versions and rollouts), so a reader on call
@@ -444,6 +444,70 @@ def capacity() -> Json:
         variables=standard_variables(), rows=(load_row, engine_row, replica_row, drain_row))
 
 
+# ---- shunter-flow ----------------------------------------------------------------------------------
+
+def flow() -> Json:
+    """Who goes first when the fleet is full (README: Priority classes and fair shares; Usage and cost per
+    tenant): the flow queues by class and tenant, what they refused, and what each tenant was served."""
+    by_class, by_tenant = ("model", "priority_class"), ("model", "key_name")
+    wait = "shunter_flow_wait_seconds"
+    queue_row = Row("Flow queues", (
+        timeseries("Waiting by priority class", "Admitted requests waiting in the gateways' flow queues for "
+                   "their turn, per class, summed over gateway replicas. Strict priority: a class waits only "
+                   "while the more urgent ones fill the model (or it reached its capacity_share).",
+                   [Query(gauge_sum("shunter_flow_queued", MODEL, by_class), "{{model}} {{priority_class}}")],
+                   width=8, stacked=True),
+        timeseries("Waiting by tenant", "The same requests per tenant (API key name; empty without keys). "
+                   "Inside a class, keys take turns by weighted fair share, so one tenant's flood waits "
+                   "behind its own requests, not in front of others'.",
+                   [Query(gauge_sum("shunter_flow_queued", MODEL, by_tenant), "{{model}} {{key_name}}")],
+                   width=8, stacked=True),
+        timeseries("Wait for a turn by class", "How long requests waited in the flow queue before a replica "
+                   "slot was theirs, p50 and p99 per class: compare with each class's max_wait_s.",
+                   [Query(quantile(q, wait, MODEL, by_class), "{{model}} {{priority_class}} " + percentile(q))
+                    for q in (0.5, 0.99)], unit=SEC, width=8),
+    ))
+    refusal_row = Row("Refusals", (
+        timeseries("Never got a turn, by class and reason", "queue_full: 429 at admission (the class and the "
+                   "more urgent ones fill the bound, or the expected wait exceeds the deadline); queue_timeout "
+                   "and cold_start_timeout: 503 after waiting; client_left: hung up while waiting (charged "
+                   "nothing); request_timeout: the request timeout passed while waiting.",
+                   [Query(rate("shunter_flow_refusals_total", MODEL, ("priority_class", "reason")),
+                          "{{priority_class}} {{reason}}")], unit=PER_SECOND, width=8, stacked=True),
+        timeseries("Never got a turn, by tenant", "The same refusals per tenant: a tenant sending more than "
+                   "its share is the one that waits and is refused.",
+                   [Query(rate("shunter_flow_refusals_total", MODEL, ("key_name", "reason")),
+                          "{{key_name}} {{reason}}")], unit=PER_SECOND, width=8, stacked=True),
+        timeseries("Rate-limited by key and limit", "Requests refused by a key's own quota (429 "
+                   "rate_limit_exceeded: requests or tokens per minute; too_large: request_exceeds_quota), "
+                   "before any class or queue.",
+                   [Query(rate("shunter_rate_limited_total", "", ("key_name", "limit")), "{{key_name}} {{limit}}")],
+                   unit=PER_SECOND, width=8, stacked=True),
+    ))
+    usage = "shunter_usage_tokens_total"
+    served = f'kind="completion", {MODEL}'
+    share_row = Row("What each tenant was served", (
+        timeseries("Share of output tokens by tenant", "Each key's share of the tokens the model generated: "
+                   "inside a class, compare with the keys' weights (auth.keys[].weight).",
+                   [Query(f"{rate(usage, served, ('key_name',))} / ignoring(key_name) group_left "
+                          f"{rate(usage, served)}", "{{key_name}}")],
+                   unit=PERCENT_UNIT, max_value=1, width=8, stacked=True),
+        timeseries("Output tokens/s by class", "Tokens generated per second for each priority class: batch "
+                   "work fills what the more urgent classes leave.",
+                   [Query(rate(usage, served, ("priority_class",)), "{{priority_class}}")],
+                   unit=PER_SECOND, width=8, stacked=True),
+        timeseries("Cost/s by tenant", "Spend per second per key at the models' configured pricing "
+                   "(models[].pricing; nothing without it).",
+                   [Query(rate("shunter_usage_cost_total", MODEL, ("key_name",)), "{{key_name}}")],
+                   width=8, stacked=True),
+    ))
+    return dashboard(
+        uid="shunter-flow", title="Shunter / Flow control",
+        description="Priority classes and tenants when the fleet is full: who waits, for how long, who is "
+        "refused and why, and the share of the model each tenant is served.",
+        variables=standard_variables(), rows=(queue_row, refusal_row, share_row))
+
+
 # ---- shunter-rollouts ------------------------------------------------------------------------------
 
 def rollout_phase_query() -> str:
@@ -505,7 +569,7 @@ def rollouts() -> Json:
         rows=(state_row, gate_row, version_row))
 
 
-DASHBOARDS: tuple[Callable[[], Json], ...] = (overview, model, routing, capacity, rollouts)
+DASHBOARDS: tuple[Callable[[], Json], ...] = (overview, model, routing, capacity, flow, rollouts)
 
 
 def all_dashboards() -> list[Json]:

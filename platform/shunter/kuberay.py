@@ -7,7 +7,9 @@ the models: each GPU worker group is one kind of node (the config's `cluster.nod
 one, a pod per accelerator type as large as its largest tensor-parallel stage); its maxReplicas are the
 nodes the planner fills with every model at its most replicas (a rollout's two versions included), its
 minReplicas those it fills at the fewest replicas. GPU pods tolerate the GPU taint and select their
-accelerator label; the head does no model work (num-cpus 0). Pure: tested without a cluster.
+accelerator label; the head does no model work (num-cpus 0). The head pod mounts a PersistentVolumeClaim at
+/home/ray/.shunter for the usage ledger (usage.path must be there: the render refuses a path off it). Pure:
+tested without a cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import posixpath
 from typing import Any
 
 from shunter.auth import open_public_bind
@@ -31,6 +34,13 @@ DEFAULT_CPU_POD_CORES = 8
 # Every Ray container reads this Secret's entries as environment variables (entry name = variable name),
 # so a config's `key_env` keys come from it; created by terraform/modules/shunter-service or kubectl.
 API_KEYS_SECRET = "shunter-api-keys"
+# The usage ledger (usage.path, default ~/.shunter/usage.sqlite3) lives on the head node: the head pod mounts
+# a PersistentVolumeClaim here so it outlives the pod. The claim is made beside the RayService (Terraform's
+# shunter-service module, or `shunter render kuberay --with-volume-claim`).
+RAY_HOME = "/home/ray"  # the Ray image's user `ray`: `~` on every pod
+USAGE_MOUNT = f"{RAY_HOME}/.shunter"
+RAY_USERS_GID = 100  # the Ray image's group `users`: the volume is made writable for it (fsGroup)
+DEFAULT_USAGE_VOLUME_SIZE = "10Gi"
 
 
 def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, ShunterConfig]], image: str,
@@ -44,8 +54,18 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
         refusal = open_public_bind("0.0.0.0", cfg.auth)
         if refusal is not None:
             raise ValueError(f"application {app_name!r}: {refusal} (KubeRay's serve service listens on 0.0.0.0)")
+    ledgers = [(app_name, cfg) for app_name, cfg in apps if cfg.usage.enabled]
+    for app_name, cfg in ledgers:
+        problem = _off_the_volume(cfg.usage.path)
+        if problem is not None:
+            raise ValueError(f"application {app_name!r}: {problem}")
     groups = _worker_groups([cfg for _, cfg in apps], image)
     head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
+    head_spec: dict[str, Any] = {}
+    if ledgers:
+        head["volumeMounts"].append({"mountPath": USAGE_MOUNT, "name": "usage"})
+        head_spec = {"securityContext": {"fsGroup": RAY_USERS_GID},
+                     "volumes": [{"name": "usage", "persistentVolumeClaim": {"claimName": usage_claim_name(name)}}]}
     if any(cfg.auth.env_vars for _, cfg in apps):
         # The gateway may run on any node: every container gets the keys. Not optional: a missing Secret
         # holds the pods back with a clear event rather than starting an open gateway.
@@ -68,7 +88,7 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
                     # No engine on the head: it keeps the GCS, the Serve controller and a proxy.
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
                                        "metrics-export-port": str(METRICS_PORT)},
-                    "template": _pod(head),
+                    "template": _pod(head, **head_spec),
                 },
                 "workerGroupSpecs": groups,
             },
@@ -189,9 +209,38 @@ def _container(name: str, image: str, cpus: int, memory_gib: int, gpus: int = 0,
     }
 
 
-def _pod(container: dict[str, Any], **spec: Any) -> dict[str, Any]:
-    return {"spec": {"containers": [container], "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-                     **spec}}
+def _pod(container: dict[str, Any], volumes: list[dict[str, Any]] | None = None, **spec: Any) -> dict[str, Any]:
+    return {"spec": {"containers": [container],
+                     "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *(volumes or [])], **spec}}
+
+
+def usage_claim_name(name: str) -> str:
+    """The PersistentVolumeClaim the head pod of RayService `name` keeps its usage ledger on."""
+    return f"{name}-usage"
+
+
+def _off_the_volume(path: str) -> str | None:
+    """Why a usage.path would not be on the head pod's persistent volume (None: it is). Refused rather than
+    warned about: a ledger off the volume is lost with the pod, silently, which is what it exists to prevent."""
+    if path.startswith("~") and not (path == "~" or path.startswith("~/")):
+        return f"usage.path {path!r}: only `~` (the ray user's home) can be resolved here, not another user's"
+    where = posixpath.normpath(RAY_HOME + path[1:] if path.startswith("~") else path)
+    if not where.startswith(USAGE_MOUNT + "/"):
+        return (f"usage.path {path!r} is not on the persistent volume the head pod mounts at {USAGE_MOUNT} (~/.shunter): "
+                "the ledger would be lost with the pod; put it under ~/.shunter/ or set usage.enabled: false")
+    return None
+
+
+def usage_volume_claim(name: str, namespace: str | None = None, size: str = DEFAULT_USAGE_VOLUME_SIZE,
+                       storage_class: str | None = None) -> dict[str, Any]:
+    """The PersistentVolumeClaim of RayService `name`'s usage ledger (one writer: the head pod)."""
+    metadata: dict[str, Any] = {"name": usage_claim_name(name), "labels": {"app.kubernetes.io/part-of": "shunter"}}
+    if namespace:
+        metadata["namespace"] = namespace
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": metadata, "spec": spec}
 
 
 def _yaml(data: Any) -> str:

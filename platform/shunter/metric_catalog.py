@@ -26,6 +26,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 # Tokens one prediction missed by: within a block (128 on CPU, 16 on GPU), a few blocks, a whole prompt.
 PREDICTION_ERROR_BUCKETS = (16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
+FLOW_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 DRAIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -69,6 +70,16 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_requests_queued", "gauge", ("model",),
                "Requests admitted by a gateway process and still waiting for a replica to take them.",
                "gateway"),
+    MetricSpec("shunter_flow_queued", "gauge", ("model", "priority_class", "key_name"),
+               "Requests admitted by a gateway process and waiting in its flow queue for their turn, by "
+               "priority class and tenant (key name; empty without keys).", "gateway"),
+    MetricSpec("shunter_flow_wait_seconds", "histogram", ("model", "priority_class", "key_name"),
+               "How long a request waited in a gateway's flow queue before its turn, by priority class and "
+               "tenant.", "gateway", FLOW_WAIT_BUCKETS),
+    MetricSpec("shunter_flow_refusals_total", "counter", ("model", "priority_class", "key_name", "reason"),
+               "Requests of a class and tenant that never got a turn: queue_full (429 at admission), "
+               "queue_timeout or cold_start_timeout (503 after waiting), client_left (hung up while waiting; "
+               "charged nothing), request_timeout (the request timeout passed while it waited).", "gateway"),
     MetricSpec("shunter_replicas_routable", "gauge", _MV,
                "Running replicas a gateway process routes to (Ray's replica set, breakers aside).", "gateway"),
     MetricSpec("shunter_rejections_total", "counter", ("model", "reason"),
@@ -86,6 +97,16 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Tokens per API key: kind prompt or completion, from the engine's usage.", "gateway"),
     MetricSpec("shunter_rate_limited_total", "counter", ("key_name", "key_id", "limit"),
                "Requests refused with 429 by a key's quota: limit requests, tokens or too_large.", "gateway"),
+    # ---- usage and cost per tenant (the usage ledger's figures; key_name "" = the platform's own) ------
+    MetricSpec("shunter_usage_tokens_total", "counter", ("key_name", "model", "adapter", "priority_class", "kind"),
+               "Tokens each settled request's key was charged: kind prompt (all of them), cached (of the prompt, "
+               "those the engine had cached) or completion; adapter \"\" for the base model.", "gateway"),
+    MetricSpec("shunter_usage_cost_total", "counter", ("key_name", "model", "adapter", "priority_class"),
+               "Cost of those tokens from the model's `pricing` (its currency; models without pricing add "
+               "nothing).", "gateway"),
+    MetricSpec("shunter_usage_records_dropped_total", "counter", (),
+               "Usage records a gateway dropped, oldest first, past usage.max_buffered_records while the "
+               "ledger was unreachable.", "gateway"),
     MetricSpec("shunter_auth_failures_total", "counter", ("reason",),
                "Requests refused at the door: missing_key, malformed_header, invalid_key (401); "
                "model_not_allowed, client_key_on_admin, admin_key_on_api (403).", "gateway"),

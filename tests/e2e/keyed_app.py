@@ -36,11 +36,13 @@ LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_
 JOBS = new_key()  # a batch-class key (tests/e2e/test_api_keys_agents.py: priority classes)
 FLOOD, LIGHT = new_key(), new_key()  # two tenants of one class (tests/e2e/test_api_keys_flow.py)
 METERED = new_key()  # a key whose rate-limit headers are read (tests/e2e/test_api_keys_flow.py)
+LEDGER_A, LEDGER_B = new_key(), new_key()  # two tenants whose usage the ledger must equal (same module)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
        "SHUNTER_TEST_KEY_PACED": PACED, "SHUNTER_TEST_KEY_AGENTS": AGENTS, "SHUNTER_TEST_KEY_EMBED": EMBED_ONLY,
        "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER,
        "SHUNTER_TEST_KEY_JOBS": JOBS, "SHUNTER_TEST_KEY_FLOOD": FLOOD, "SHUNTER_TEST_KEY_LIGHT": LIGHT,
-       "SHUNTER_TEST_KEY_METERED": METERED}
+       "SHUNTER_TEST_KEY_METERED": METERED, "SHUNTER_TEST_KEY_LEDGER_A": LEDGER_A,
+       "SHUNTER_TEST_KEY_LEDGER_B": LEDGER_B}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 BUDGET_TOKENS_PER_MINUTE = 1000
@@ -51,6 +53,8 @@ LEAVER_TOKENS_PER_MINUTE = 10_000_000  # a quota that settles every request and 
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 ENGINE_SEQS = 16  # each engine's max_num_seqs
+# The chat model's price per million tokens (uncached prompt, cached prompt, completion): the ledger's cost.
+PRICING = {"input_per_million": 0.5, "cached_input_per_million": 0.25, "output_per_million": 2.0}
 # Two narrow classes after the default three, for the flow-control tests (tests/e2e/test_api_keys_flow.py):
 # each may fill LANE_SLOTS of a gateway's 32 slots of the chat model (64 a replica, over two gateways), so a
 # burst of them queues in the gateways while the engine has room to spare.
@@ -70,7 +74,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
     return {
         "models": [
             {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
-             "engine": {**engine, "scheduling_policy": "priority"}},
+             "engine": {**engine, "scheduling_policy": "priority"}, "pricing": PRICING},
             {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
              "engine": {**engine, "max_model_len": 256}},
         ],
@@ -81,6 +85,8 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                                "max_embedding_inputs": MAX_EMBEDDING_INPUTS,
                                "stream_idle_timeout_s": 30}},
         "flow_control": FLOW_CONTROL,
+        # A ledger of this app's own, beside the admin key (not ~/.shunter, which outlives the test run).
+        "usage": {"path": str(admin_key_file.parent / "usage.sqlite3"), "flush_interval_s": 0.2},
         "auth": {
             "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
                      {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
@@ -100,7 +106,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "flood", "key_env": "SHUNTER_TEST_KEY_FLOOD"},
                      {"name": "light", "key_env": "SHUNTER_TEST_KEY_LIGHT"},
                      {"name": "metered", "key_env": "SHUNTER_TEST_KEY_METERED",
-                      "requests_per_minute": METERED_REQUESTS_PER_MINUTE, "tokens_per_minute": 60_000}],
+                      "requests_per_minute": METERED_REQUESTS_PER_MINUTE, "tokens_per_minute": 60_000},
+                     {"name": "ledger-a", "key_env": "SHUNTER_TEST_KEY_LEDGER_A", "tokens_per_minute": 100_000},
+                     {"name": "ledger-b", "key_env": "SHUNTER_TEST_KEY_LEDGER_B"}],
             "admin_keys": [{"name": "ops", "key_file": str(admin_key_file)}],
         },
     }

@@ -157,7 +157,7 @@ def test_a_burst_of_batch_work_alone_is_served_without_scaling_out(app):
     wait_replicas(APP, SMOL, 1, timeout_s=240)
     with Load(live.openai(timeout=300), workers=6, max_tokens=32, service_tier="flex") as batch:
         seen = set()
-        for _ in range(20):  # well past the upscale delay of 2 s and the policy's reads of the backlog
+        for _ in range(12):  # well past the upscale delay of 2 s and the policy's reads of the backlog
             time.sleep(1)
             seen.add(_replicas_in_any_state(SMOL))  # a replica being started counts
     print(f"\nbatch burst: {batch.ok} answered, {len(batch.failures)} failed; replicas seen {sorted(seen)}")

@@ -122,9 +122,9 @@ def test_a_typo_in_a_panel_is_caught():
 
 # ---- every dashboard -------------------------------------------------------------------------------
 
-def test_the_five_dashboards_exist_with_stable_uids():
+def test_the_six_dashboards_exist_with_stable_uids():
     assert BOARD_IDS == ["shunter-overview", "shunter-model", "shunter-routing", "shunter-capacity",
-                         "shunter-rollouts"]
+                         "shunter-flow", "shunter-rollouts"]
 
 
 @pytest.mark.parametrize("uid", BOARD_IDS)

@@ -124,3 +124,56 @@ def test_a_config_with_key_env_keys_has_every_container_read_the_api_keys_secret
     raw["applications"][0]["args"]["auth"] = {"anonymous": True}  # no keys: behind an authenticating proxy
     plain = render_rayservice(raw, [("shunter", parse_config(raw["applications"][0]["args"]))], "img")
     assert "envFrom" not in str(plain)
+
+
+# ---- the usage ledger's volume -----------------------------------------------------------------------------
+
+def _small_app(usage: dict | None = None) -> tuple[dict, list]:
+    args = {"models": [{"name": "small", "source": "org/small", "accelerator_type": "L4"}], "auth": {"anonymous": True},
+            **({"usage": usage} if usage is not None else {})}
+    raw = {"applications": [{"name": "s", "import_path": "shunter.deployments.app:build_app", "route_prefix": "/",
+                             "args": args}]}
+    return raw, [("s", parse_config(args))]
+
+
+def test_the_head_pod_keeps_the_usage_ledger_on_a_persistent_volume_claim():
+    from shunter.kuberay import USAGE_MOUNT, usage_claim_name
+
+    raw, apps = _small_app()
+    manifest = render_rayservice(raw, apps, "img", name="prod")
+    head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {"mountPath": USAGE_MOUNT, "name": "usage"} in head["containers"][0]["volumeMounts"]
+    assert USAGE_MOUNT == "/home/ray/.shunter", "where the default usage.path (~/.shunter/usage.sqlite3) is"
+    assert {"name": "usage", "persistentVolumeClaim": {"claimName": usage_claim_name("prod")}} in head["volumes"]
+    assert usage_claim_name("prod") == "prod-usage"
+    assert head["securityContext"] == {"fsGroup": 100}, "the Ray image's user may write the volume"
+    for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:  # the ledger runs on the head only
+        assert "usage" not in str(group["template"]["spec"]["volumes"])
+    raw, apps = _small_app({"enabled": False, "path": "/elsewhere/u.db"})
+    plain = render_rayservice(raw, apps, "img")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "securityContext" not in plain and len(plain["volumes"]) == 1, "no ledger, no volume"
+
+
+@pytest.mark.parametrize("path", ["/data/usage.sqlite3", "~/usage.sqlite3", "~/.shunter/../usage.sqlite3",
+                                  "~other/.shunter/usage.sqlite3", "/home/ray/.shunterx/u.db"])
+def test_a_ledger_off_the_volume_is_refused(path):
+    raw, apps = _small_app({"path": path})
+    with pytest.raises(ValueError, match="application 's': usage.path"):
+        render_rayservice(raw, apps, "img")
+    for fine in ("~/.shunter/usage.sqlite3", "/home/ray/.shunter/tenants/usage.db"):
+        raw, apps = _small_app({"path": fine})
+        assert render_rayservice(raw, apps, "img")["kind"] == "RayService"
+
+
+def test_the_cli_writes_the_volume_claim_beside_the_rayservice_when_asked(tmp_path):
+    out = tmp_path / "rayservice.yaml"
+    assert shunter(["render", "kuberay", str(ROOT / "configs" / "gpu-llama-8b.yaml"), "-o", str(out),
+                    "--namespace", "ml", "--with-volume-claim", "--volume-size", "20Gi"]) == 0
+    service, claim = yaml.safe_load_all(out.read_text())
+    claim_name = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["volumes"][-1]
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["metadata"] == {
+        "name": claim_name["persistentVolumeClaim"]["claimName"], "namespace": "ml",
+        "labels": {"app.kubernetes.io/part-of": "shunter"}}
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "20Gi"}}}
+    assert shunter(["render", "kuberay", str(ROOT / "configs" / "gpu-llama-8b.yaml"), "-o", str(out)]) == 0
+    assert len(list(yaml.safe_load_all(out.read_text()))) == 1, "one document unless asked (Terraform reads one)"

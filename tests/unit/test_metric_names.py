@@ -12,6 +12,7 @@ import re
 import pytest
 
 MODULES = ["shunter.deployments.gateway.telemetry", "shunter.deployments.gateway.access", "shunter.deployments.gateway.tiering",
+           "shunter.deployments.gateway.usage",
            "shunter.deployments.replica.telemetry", "shunter.routing.metrics"]
 
 

@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -60,8 +61,10 @@ from shunter.deployments.gateway.request_end import (
 )
 from shunter.deployments.gateway.stream_filter import StreamFilter
 from shunter.deployments.gateway.telemetry import RequestTelemetry
+from shunter.deployments.gateway.usage import record_usage
 from shunter.endpoints import CHAT, ENDPOINTS, MESSAGES, Endpoint, ParsedRequest
 from shunter.replica_protocol import Accepted, ReplyHead, Working
+from shunter.usage_ledger import UsageRecord
 from shunter.wire_formats import anthropic_error
 from tests.unit.test_forward import Replica, _request, build_pipeline
 
@@ -369,7 +372,7 @@ def test_the_asgi_guard_leaves_a_settled_request_and_other_scopes_alone():
 
 # ---- the hooks ---------------------------------------------------------------------------------------------
 
-STANDARD = ("replica", "breaker", "rollout", "admission", "telemetry", "quota")
+STANDARD = ("replica", "breaker", "rollout", "admission", "telemetry", "quota", "usage")
 
 
 def test_the_standard_hooks_run_in_their_order_and_a_failing_one_never_stops_the_others(caplog):
@@ -403,9 +406,11 @@ class CountingHooks:
         self.rollouts = recorder.oks
         self.hooks = EndHooks()
         record = rollout_hook(recorder)  # type: ignore[arg-type]
+        self.records: list[UsageRecord] = []  # what the usage hook gave the ledger's writer
+        writer = SimpleNamespace(add=self.records.append)
         for name, hook in (("replica", release_replica), ("breaker", record_breaker), ("rollout", record),
                            ("admission", release_admission), ("telemetry", finish_telemetry),
-                           ("quota", settle_quota)):
+                           ("quota", settle_quota), ("usage", record_usage(writer))):  # type: ignore[arg-type]
             self.hooks.register(name, self._counted(name, hook))
         assert self.hooks.names == standard_hooks(recorder).names, "every standard hook is counted"  # type: ignore[arg-type]
 
@@ -750,6 +755,10 @@ def test_every_way_a_request_ends_runs_each_hook_once_with_its_outcome(endpoint:
         outcome = end.ctx.outcome
         assert outcome is not None and (outcome.ending, outcome.status) == (way.ending, way.status)
         assert end.tel._done and (end.ctx.ticket is None or end.ctx.ticket._settled)
+        (usage_record,) = counting.records  # one ledger record per settled request, of what its key was charged
+        assert usage_record.status == str(outcome.status) and usage_record.request_id == end.ctx.routing_id
+        charged = end.ctx.ticket.charged if end.ctx.ticket is not None else (0, 0)
+        assert (usage_record.prompt_tokens, usage_record.completion_tokens) == charged
         streams = replica.streams
         assert [s.cancelled for s in streams] == [not outcome.finished] * len(streams), \
             "the replica's work is cancelled unless it finished by itself"

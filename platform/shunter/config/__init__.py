@@ -8,7 +8,8 @@ defaults, so existing files stay valid.
 
 One module per section: `root` (ShunterConfig, parse_config), `model`, `engine`, `routing`,
 `scaling` (autoscaling, admission, draining), `serving` (tools, reasoning, chat template), `adapters` (LoRA), `rollout` (versions, gates), `gateway` (limits), `auth`,
-`observability`, `cluster`, `tiers`; `explain` turns pydantic errors into readable lines. Import
+`observability`, `cluster`, `tiers`, `flow` (priority classes), `usage` (the usage ledger, pricing);
+`explain` turns pydantic errors into readable lines. Import
 from `shunter.config`, which names them all.
 """
 
@@ -28,6 +29,7 @@ from shunter.config.routing import BreakerConfig, RoutingConfig
 from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
 from shunter.config.serving import ServingConfig
 from shunter.config.tiers import TierConfig, TierMonitorConfig, TiersConfig
+from shunter.config.usage import PricingConfig, UsageConfig
 
 __all__ = [
     "AdapterConfig",
@@ -52,6 +54,7 @@ __all__ = [
     "NodeGroupConfig",
     "ObservabilityConfig",
     "PriorityClassConfig",
+    "PricingConfig",
     "RolloutConfig",
     "RoutingConfig",
     "ServingConfig",
@@ -61,6 +64,7 @@ __all__ = [
     "TierMonitorConfig",
     "TiersConfig",
     "TracingConfig",
+    "UsageConfig",
     "VERSION_PATTERN",
     "VersionConfig",
     "format_config_error",

@@ -16,6 +16,7 @@ from shunter.config.rollout import RolloutConfig, VersionConfig
 from shunter.config.routing import RoutingConfig
 from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
 from shunter.config.serving import ServingConfig
+from shunter.config.usage import PricingConfig
 
 
 def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> None:
@@ -127,6 +128,11 @@ class ModelConfig(StrictModel):
     )
     routing: RoutingConfig = Field(
         default_factory=RoutingConfig, description="Replica choice, circuit breakers and failover."
+    )
+    pricing: PricingConfig | None = Field(
+        default=None,
+        description="What this model's tokens cost, per million tokens in any one currency (e.g. USD): the "
+        "usage ledger and /admin/usage report each request's cost from it. null = tokens only, no cost.",
     )
 
     @field_validator("aliases")

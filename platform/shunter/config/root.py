@@ -17,6 +17,7 @@ from shunter.config.gateway import GatewayConfig
 from shunter.config.model import ModelConfig
 from shunter.config.observability import ObservabilityConfig
 from shunter.config.tiers import TiersConfig
+from shunter.config.usage import UsageConfig
 
 
 class ShunterConfig(StrictModel):
@@ -39,6 +40,10 @@ class ShunterConfig(StrictModel):
     flow_control: FlowControlConfig = Field(
         default_factory=FlowControlConfig,
         description="Priority classes: who goes first when a model is full, and how requests name their class.",
+    )
+    usage: UsageConfig = Field(
+        default_factory=UsageConfig,
+        description="The usage ledger: tokens and cost per key, model, adapter and class (GET /admin/usage).",
     )
     model_cache_dir: str | None = Field(
         default=None,

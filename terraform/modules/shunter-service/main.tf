@@ -58,6 +58,12 @@ locals {
     }
   }
 
+  # The usage ledger's claims (the rendered head pod mounts one at /home/ray/.shunter): made here.
+  usage_claims = [
+    for volume in try(local.cluster.headGroupSpec.template.spec.volumes, []) :
+    volume.persistentVolumeClaim.claimName if can(volume.persistentVolumeClaim.claimName)
+  ]
+
   manifest = merge(local.rendered, {
     metadata = merge(local.rendered.metadata, { namespace = kubernetes_namespace_v1.this.metadata[0].name })
     spec = merge(local.rendered.spec, var.public_endpoint ? local.public_serve_service : {}, {
@@ -105,6 +111,33 @@ resource "kubernetes_secret_v1" "api_keys" {
   data = var.api_keys
 }
 
+# The usage ledger's volume: SQLite on the head pod (usage.path under ~/.shunter). A claim of its own, not
+# the RayService's, so the ledger outlives head pods, Ray clusters and RayService upgrades. Not waited for:
+# a WaitForFirstConsumer storage class binds it only once the head pod is scheduled.
+resource "kubernetes_persistent_volume_claim_v1" "usage" {
+  for_each = toset(local.usage_claims)
+
+  metadata {
+    name      = each.value
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+    labels = {
+      "app.kubernetes.io/part-of" = "shunter"
+    }
+  }
+
+  spec {
+    access_modes       = ["ReadWriteOnce"]
+    storage_class_name = var.usage_storage_class
+    resources {
+      requests = {
+        storage = var.usage_volume_size
+      }
+    }
+  }
+
+  wait_until_bound = false
+}
+
 resource "kubernetes_manifest" "rayservice" {
   manifest = local.manifest
 
@@ -127,7 +160,7 @@ resource "kubernetes_manifest" "rayservice" {
     delete = "30m"
   }
 
-  depends_on = [kubernetes_secret_v1.hf_token, kubernetes_secret_v1.api_keys]
+  depends_on = [kubernetes_secret_v1.hf_token, kubernetes_secret_v1.api_keys, kubernetes_persistent_volume_claim_v1.usage]
 }
 
 # Read back after the RayService is Ready: KubeRay creates the serve Service, the cloud its load balancer.

@@ -68,3 +68,15 @@ variable "api_keys" {
     error_message = "api_keys maps environment variable names to keys of at least 16 characters (shunter keys new makes one)."
   }
 }
+
+variable "usage_volume_size" {
+  type        = string
+  default     = "10Gi"
+  description = "Size of the usage ledger's volume (SQLite on the head pod; a few hundred bytes per request)."
+}
+
+variable "usage_storage_class" {
+  type        = string
+  default     = null
+  description = "Storage class of the usage ledger's volume: a block volume (EBS, Persistent Disk), not NFS/EFS, whose locking SQLite's WAL cannot use. Null: the cluster's default."
+}

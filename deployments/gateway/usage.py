@@ -1,0 +1,216 @@
+"""Usage per tenant, from the gateway: one ledger record per settled request, sent in batches off the request
+path, and the per-key usage and cost metrics.
+
+`record_usage` is the last end-of-request hook (shunter.deployments.gateway.request_end, after `quota`): it
+turns the request's outcome into one `UsageRecord` holding exactly what its key was charged (the quota
+ticket's own figures: nothing for a request that never reached an engine, the estimated prompt for a stream
+cut before the engine reported any usage), adds the Prometheus counters, and appends the record to the
+gateway's `UsageWriter`. `RequestEnd.settle` runs each hook once, so each settled request is one record.
+
+The platform's own requests (the tier monitor's comparisons, `ctx.caller is None`) are recorded too, under
+key name "": they use engine time no tenant is billed for, and an operator should see what that costs.
+
+`UsageWriter` only appends on the request path (a bounded deque). A background task on the gateway's event
+loop, started by the first record, sends what accumulated every `usage.flush_interval_s`, in batches of at
+most `usage.max_batch_records`, to the ledger deployment (shunter.deployments.ledger). A batch that fails
+(the ledger restarting, unreachable, slow past the send timeout) is kept and sent again on the next tick,
+first; the ledger skips request ids it already holds, so a batch whose reply was lost is counted once.
+While the ledger is unreachable the buffer holds at most `usage.max_buffered_records` (plus the batch being
+sent); past that the oldest records are dropped and counted (`shunter_usage_records_dropped_total`). The
+gateway flushes before it stops (its Serve destructor, after its requests drained) and before it answers
+/admin/usage, so a caller sees its own settled requests at once; other gateways' records arrive within
+their flush interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from shunter.config import UsageConfig
+from shunter.deployments.gateway.context import Outcome, RequestContext
+from shunter.metric_catalog import build
+from shunter.ray_metrics import LazyMetrics
+from shunter.usage_ledger import UsageRecord, cost_of
+
+log = logging.getLogger("ray.serve")
+
+_NAMES = ("shunter_usage_tokens_total", "shunter_usage_cost_total", "shunter_usage_records_dropped_total")
+_record = LazyMetrics(lambda metrics: build(metrics, _NAMES)).record
+
+SEND_TIMEOUT_S = 10.0  # one batch's call to the ledger; past it the batch is kept and sent again
+PLATFORM_KEY = ""  # the key name of the platform's own requests (the tier monitor)
+_WARN_EVERY_S = 60.0
+
+
+class EndedRequest(Protocol):
+    """What the hook reads of a request's end: shunter.deployments.gateway.request_end.RequestEnd, named by
+    its shape (that module registers the hook, so importing it here would be a circle)."""
+
+    ctx: RequestContext
+    turn: Any  # the flow queue whose turn it had (None: it never had one)
+    reply: Any  # the replica's reply (None: no replica answered)
+
+
+class UsageWriter:
+    """A gateway's buffer of usage records and the task that sends them to the ledger; see the module
+    docstring. `ledger`: the UsageLedger deployment's handle (anything with `.record.remote(list[dict])` and
+    `.query.remote(...)` returning awaitables)."""
+
+    def __init__(self, config: UsageConfig, ledger: Any, clock: Callable[[], float] = time.monotonic):
+        self.config, self.ledger, self._clock = config, ledger, clock
+        self._buffer: deque[UsageRecord] = deque()
+        self._sending: list[UsageRecord] = []  # the batch in flight, or the one that failed, sent first
+        self._lock = asyncio.Lock()  # one sender at a time: the ticker or a flush
+        self._task: asyncio.Task[None] | None = None
+        self._warned_at = -_WARN_EVERY_S
+        self.dropped = 0
+        self.sent = 0
+
+    @property
+    def pending(self) -> int:
+        """Records not yet in the ledger."""
+        return len(self._buffer) + len(self._sending)
+
+    # ---- the request path ------------------------------------------------------------------------
+
+    def add(self, record: UsageRecord) -> None:
+        """Buffer one record (the oldest dropped, and counted, past the bound) and make sure the sending task
+        runs. Never waits and never raises for the ledger."""
+        if len(self._buffer) >= self.config.max_buffered_records:
+            self._buffer.popleft()
+            self.dropped += 1
+            _record(lambda m: m["shunter_usage_records_dropped_total"].inc(1))
+        self._buffer.append(record)
+        self._start()
+
+    def _start(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # off the loop (a test, a thread): the next record or flush on it starts it
+            return
+        self._task = loop.create_task(self._run(), name="shunter-usage-writer")
+
+    # ---- sending ---------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.flush_interval_s)
+            try:
+                await self._send_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the task never ends on a bug; the records stay buffered
+                log.warning("usage writer: sending failed unexpectedly", exc_info=True)
+
+    async def _send_all(self) -> bool:
+        """Send everything buffered, batch by batch; stop at the first failure (kept for the next try).
+        True when nothing is left."""
+        async with self._lock:
+            while self._sending or self._buffer:
+                if not self._sending:
+                    count = min(len(self._buffer), self.config.max_batch_records)
+                    self._sending = [self._buffer.popleft() for _ in range(count)]
+                if not await self._send(self._sending):
+                    return False
+                self.sent += len(self._sending)
+                self._sending = []
+            return True
+
+    async def _send(self, batch: list[UsageRecord]) -> bool:
+        try:
+            await asyncio.wait_for(self.ledger.record.remote([r.to_dict() for r in batch]), SEND_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the ledger restarting or unreachable: kept, sent again
+            now = self._clock()
+            if now - self._warned_at >= _WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("usage ledger unreachable (%s: %s); %d record(s) kept to send again", type(exc).__name__,
+                            exc, self.pending)
+            return False
+        return True
+
+    async def flush(self, timeout_s: float = 2.0) -> bool:
+        """Send everything buffered now (before /admin/usage answers, and when the gateway stops). True when
+        all of it reached the ledger within `timeout_s`; what did not stays buffered."""
+        try:
+            return await asyncio.wait_for(self._send_all(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self, timeout_s: float = 2.0) -> bool:
+        """The gateway stops: flush, then stop the sending task."""
+        done = await self.flush(timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if not done:
+            log.warning("usage writer: %d record(s) did not reach the ledger before the gateway stopped",
+                        self.pending)
+        return done
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    async def query(self, key: str | None, model: str | None, since: float | None, until: float | None,
+                    group_by: Sequence[str], timeout_s: float = SEND_TIMEOUT_S) -> list[dict[str, Any]]:
+        return await asyncio.wait_for(
+            self.ledger.query.remote(key=key, model=model, since=since, until=until, group_by=list(group_by)),
+            timeout_s)
+
+
+def usage_record(end: EndedRequest, outcome: Outcome, now: Callable[[], float] = time.time) -> UsageRecord:
+    """The request's record: the tokens its key was charged (the quota ticket's figures once it settled; the
+    same rule without a ticket: nothing unless it reached an engine), priced by its model's `pricing`."""
+    ctx = end.ctx
+    usage = ctx.usage
+    charged = getattr(ctx.ticket, "charged", None) if ctx.ticket is not None else None
+    if charged is not None:
+        prompt, completion = charged
+    elif end.turn is not None or end.reply is not None:
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    else:
+        prompt = completion = 0
+    cached = min(usage.cached_tokens or 0, prompt)
+    caller = ctx.caller
+    return UsageRecord(
+        request_id=ctx.routing_id, at=now(),
+        key_name=caller.name if caller is not None else PLATFORM_KEY,
+        key_id=caller.key_id if caller is not None else PLATFORM_KEY,
+        model=ctx.model.name, adapter=ctx.adapter.name if ctx.adapter is not None else "",
+        priority_class=ctx.priority_class, endpoint=ctx.endpoint.name, status=str(outcome.status),
+        prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+        cost=cost_of(ctx.model.pricing, prompt, cached, completion))
+
+
+def record_usage(writer: UsageWriter | None) -> Callable[[EndedRequest, Outcome], None]:
+    """The `usage` end-of-request hook: the metrics, and the record for the ledger (none without a writer:
+    `usage.enabled: false`)."""
+
+    def hook(end: EndedRequest, outcome: Outcome) -> None:
+        record = usage_record(end, outcome)
+        _count(record)
+        if writer is not None:
+            writer.add(record)
+
+    return hook
+
+
+def _count(r: UsageRecord) -> None:
+    labels = {"key_name": r.key_name, "model": r.model, "adapter": r.adapter, "priority_class": r.priority_class}
+
+    def count(m: dict[str, Any]) -> None:
+        for kind, tokens in (("prompt", r.prompt_tokens), ("cached", r.cached_tokens),
+                             ("completion", r.completion_tokens)):
+            if tokens:
+                m["shunter_usage_tokens_total"].inc(tokens, tags={**labels, "kind": kind})
+        if r.cost:
+            m["shunter_usage_cost_total"].inc(r.cost, tags=labels)
+
+    _record(count)
