@@ -6,7 +6,11 @@ at once wait here for a slot, and leave in an order that is fair.
 - **Headroom**: a class may fill only its `capacity_share` of the model's slots (the most urgent class all of
   them), so work of a less urgent class never holds the slot an urgent arrival needs; the engine's own
   priority scheduling (`engine.scheduling_policy: priority`) then runs that arrival ahead of the work
-  already there.
+  already there. The share is taken of the sequences the engines run at once (`engine.max_num_seqs` per
+  replica) where that is fewer than the replicas' slots (`max_ongoing_requests`): vLLM's scheduler does not
+  preempt a running sequence for a more urgent one when its batch is full, only when its KV cache is, so
+  headroom counted in slots the engine merely queues would leave an urgent arrival waiting for a running
+  request to finish.
 - **Anti-starvation**: each time a slot frees while a less urgent class has requests waiting that its
   headroom would let go, that class earns `min_share` of a turn, and a class with a whole turn earned takes
   the slot. So while urgent work keeps a model full, a less urgent class still gets `min_share` of the slots
@@ -88,9 +92,12 @@ class FlowQueue:
     """One model's waiting requests in one gateway; see the module docstring."""
 
     def __init__(self, capacity: Callable[[], int], classes: list[PriorityClassConfig] | None = None,
-                 tick_s: float = 0.25):
-        """`classes`: most urgent first (their `capacity_share` and `min_share` apply here); by default one."""
+                 tick_s: float = 0.25, running: Callable[[], int] | None = None):
+        """`classes`: most urgent first (their `capacity_share` and `min_share` apply here); by default one.
+        `running`: the sequences the engines run at once (this gateway's share), which headroom is counted in
+        where fewer than `capacity`."""
         self.capacity = capacity
+        self.running = running
         self.classes = classes or [PriorityClassConfig(name="all")]
         self.tick_s = tick_s
         self.dispatched = 0  # requests holding a turn
@@ -153,10 +160,14 @@ class FlowQueue:
         self._pump()
 
     def _limit(self, rank: int) -> int:
-        """The turns requests of class `rank` may find taken and still go: its share of the slots (always at
-        least one, so a model scaled to zero still gets the request whose arrival at Ray's router starts a
-        replica)."""
-        return max(1, math.floor(max(0, self.capacity()) * self.classes[rank].capacity_share))
+        """The turns requests of class `rank` may find taken and still go: every slot for a class with the
+        whole capacity, else its share of the slots or of the engines' running sequences, whichever is fewer
+        (always at least one, so a model scaled to zero still gets the request whose arrival at Ray's router
+        starts a replica)."""
+        capacity, share = max(0, self.capacity()), self.classes[rank].capacity_share
+        if share < 1 and self.running is not None:
+            capacity = min(capacity, max(0, self.running()))
+        return max(1, math.floor(capacity * share))
 
     def _pump(self) -> None:
         while True:

@@ -132,7 +132,12 @@ class Forwarder:
         if ctx.tier is not None:
             self.tiering.follow(ctx, tel.span, self.ask_internal)  # type: ignore[union-attr]
         assert ctx.caller is not None
-        ticket = ctx.ticket = self.access.admit(ctx.caller, ctx.model.name, ctx.parsed, ctx.model.engine.max_model_len)
+        try:
+            ticket = ctx.ticket = self.access.admit(ctx.caller, ctx.model.name, ctx.parsed,
+                                                    ctx.model.engine.max_model_len)
+        except ApiError as refusal:  # the key's own quota: counted with the flow's refusals, by class
+            tel.refused(str(refusal.code))
+            raise
         ctx.limits = RequestLimits(max_tokens=ticket.default_max_tokens,
                                    max_prompt_tokens=self.config.gateway.limits.max_prompt_tokens)
         timeout = self.config.gateway.limits.request_timeout_s

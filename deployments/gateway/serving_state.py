@@ -52,7 +52,8 @@ class ServingState:
         fair share between tenants."""
         queue = self._queues.get(model.name)
         if queue is None:
-            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), self.config.flow_control.classes)
+            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), self.config.flow_control.classes,
+                                                         running=lambda: self.running_sequences(model))
         return queue
 
     def backlog(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -73,6 +74,14 @@ class ServingState:
         """Requests the running replicas of the model's serving versions take at once: this gateway's
         share. Until a router has reported a version's running replicas (the first requests after a
         gateway starts), the configured count stands in for them."""
+        return self._replicas(model) * model.max_ongoing_requests // self.config.gateway.replicas
+
+    def running_sequences(self, model: ModelConfig) -> int:
+        """Sequences the engines of those replicas run at once (`engine.max_num_seqs` each; past it they
+        queue them): this gateway's share."""
+        return self._replicas(model) * model.engine.max_num_seqs // self.config.gateway.replicas
+
+    def _replicas(self, model: ModelConfig) -> int:
         replicas = 0
         for version in self.traffic.serving(model):
             routing = self.routing(model, version)
@@ -83,7 +92,7 @@ class ServingState:
                     replicas_routable(model.name, version, len(routing.replicas))
             else:
                 replicas += model.autoscaling.min_replicas if model.autoscaling else model.replicas
-        return replicas * model.max_ongoing_requests // self.config.gateway.replicas
+        return replicas
 
     @staticmethod
     def scaled_to_zero(model: ModelConfig, routing: DeploymentRouting) -> bool:

@@ -15,7 +15,8 @@ were relayed, and how it ended; it records:
 - flow control (issue 38), by model, priority class and tenant (the key's name; "" without keys): the
   requests waiting in this gateway's flow queue (`shunter_flow_queued`), how long each waited there for its
   turn (`shunter_flow_wait_seconds`), and the ones that never got a turn, by reason
-  (`shunter_flow_refusals_total`: queue_full, queue_timeout, cold_start_timeout, client_left);
+  (`shunter_flow_refusals_total`: the key's quota, rate_limit_exceeded or request_exceeds_quota; queue_full,
+  queue_timeout, cold_start_timeout, client_left, request_timeout);
 - for a request to a LoRA adapter, `shunter_adapter_requests_total{model,adapter,status}` and its tokens
   (the span carries `shunter.adapter`).
 
@@ -119,7 +120,8 @@ class RequestTelemetry:
                 wait, tags={"model": model, "priority_class": cls, "key_name": tenant}))
 
     def refused(self, reason: str) -> None:
-        """It never got a turn: refused at admission (queue_full), its wait ran out (queue_timeout,
+        """It never got a turn: refused by its key's quota (rate_limit_exceeded, request_exceeds_quota) or at
+        admission (queue_full), its wait ran out (queue_timeout,
         cold_start_timeout), its client left while it waited (client_left), or the request timeout passed
         (request_timeout)."""
         self._leave_flow()

@@ -468,21 +468,17 @@ def flow() -> Json:
                     for q in (0.5, 0.99)], unit=SEC, width=8),
     ))
     refusal_row = Row("Refusals", (
-        timeseries("Never got a turn, by class and reason", "queue_full: 429 at admission (the class and the "
-                   "more urgent ones fill the bound, or the expected wait exceeds the deadline); queue_timeout "
-                   "and cold_start_timeout: 503 after waiting; client_left: hung up while waiting (charged "
+        timeseries("Never got a turn, by class and reason", "rate_limit_exceeded and request_exceeds_quota: "
+                   "429 from the key's own quota; queue_full: 429 at admission (the class and the more urgent "
+                   "ones fill the bound, or the expected wait exceeds the deadline); queue_timeout and "
+                   "cold_start_timeout: 503 after waiting; client_left: hung up while waiting (charged "
                    "nothing); request_timeout: the request timeout passed while waiting.",
                    [Query(rate("shunter_flow_refusals_total", MODEL, ("priority_class", "reason")),
-                          "{{priority_class}} {{reason}}")], unit=PER_SECOND, width=8, stacked=True),
+                          "{{priority_class}} {{reason}}")], unit=PER_SECOND, width=12, stacked=True),
         timeseries("Never got a turn, by tenant", "The same refusals per tenant: a tenant sending more than "
-                   "its share is the one that waits and is refused.",
+                   "its quota or its share is the one that waits and is refused.",
                    [Query(rate("shunter_flow_refusals_total", MODEL, ("key_name", "reason")),
-                          "{{key_name}} {{reason}}")], unit=PER_SECOND, width=8, stacked=True),
-        timeseries("Rate-limited by key and limit", "Requests refused by a key's own quota (429 "
-                   "rate_limit_exceeded: requests or tokens per minute; too_large: request_exceeds_quota), "
-                   "before any class or queue.",
-                   [Query(rate("shunter_rate_limited_total", "", ("key_name", "limit")), "{{key_name}} {{limit}}")],
-                   unit=PER_SECOND, width=8, stacked=True),
+                          "{{key_name}} {{reason}}")], unit=PER_SECOND, width=12, stacked=True),
     ))
     usage = "shunter_usage_tokens_total"
     served = f'kind="completion", {MODEL}'

@@ -77,7 +77,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                "How long a request waited in a gateway's flow queue before its turn, by priority class and "
                "tenant.", "gateway", FLOW_WAIT_BUCKETS),
     MetricSpec("shunter_flow_refusals_total", "counter", ("model", "priority_class", "key_name", "reason"),
-               "Requests of a class and tenant that never got a turn: queue_full (429 at admission), "
+               "Requests of a class and tenant that never got a turn: rate_limit_exceeded or "
+               "request_exceeds_quota (429, the key's quota), queue_full (429 at admission), "
                "queue_timeout or cold_start_timeout (503 after waiting), client_left (hung up while waiting; "
                "charged nothing), request_timeout (the request timeout passed while it waited).", "gateway"),
     MetricSpec("shunter_replicas_routable", "gauge", _MV,

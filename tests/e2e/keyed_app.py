@@ -56,15 +56,16 @@ ENGINE_SEQS = 16  # each engine's max_num_seqs
 # The chat model's price per million tokens (uncached prompt, cached prompt, completion): the ledger's cost.
 PRICING = {"input_per_million": 0.5, "cached_input_per_million": 0.25, "output_per_million": 2.0}
 # Two narrow classes after the default three, for the flow-control tests (tests/e2e/test_api_keys_flow.py):
-# each may fill LANE_SLOTS of a gateway's 32 slots of the chat model (64 a replica, over two gateways), so a
-# burst of them queues in the gateways while the engine has room to spare.
+# each may fill LANE_SLOTS of the 8 sequences a gateway's share of the chat engine runs at once (16, over two
+# gateways; headroom is counted in those, fewer than the 32 slots), so a burst of them queues in the gateways
+# while the engine has room to spare.
 LANE_SLOTS = 2
 FLOW_CONTROL = {
     "classes": [{"name": "interactive", "max_wait_s": 10},
                 {"name": "standard", "min_share": 0.1},
                 {"name": "batch", "max_wait_s": 50, "capacity_share": 0.75, "min_share": 0.05},
-                {"name": "lane", "max_wait_s": 50, "capacity_share": LANE_SLOTS / 32},
-                {"name": "lane-low", "max_wait_s": 50, "capacity_share": LANE_SLOTS / 32}],
+                {"name": "lane", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)},
+                {"name": "lane-low", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)}],
     "default_class": "standard",
 }
 

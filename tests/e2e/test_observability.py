@@ -52,6 +52,8 @@ def _args(otlp_endpoint: str, adapters: dict[str, str]) -> dict:
             "versions": [{"name": "v1", "source": SMOL, "weight": 100}, {"name": "v2", "source": SMOL},
                          {"name": "broken", "source": "fake:broken"}],
             "max_ongoing_requests": 4,
+            # The usage ledger's cost (the flow dashboard's cost panel).
+            "pricing": {"input_per_million": 0.5, "output_per_million": 2.0},
             "admission": {"max_queued_requests": 0},
             "rollout": {"steps": [10, 100], "hold_s": 2, "max_hold_s": 60, "ready_timeout_s": 300,
                         "gates": {"min_requests": 3}},
@@ -203,6 +205,23 @@ def test_a_retired_version_drains_its_streams_within_the_drain_timeout(live):
     assert any("replica_drain_timeout" in e for e in events), "the stream was ended with a clear error event"
 
 
+def _burst(live: Live, requests: int = 12) -> list[httpx.Response]:
+    """Requests at once, past what the model admits (4 running, none queued, per replica)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(requests) as pool:
+        return list(pool.map(lambda i: live.chat(f"Burst question {i}: name a river.", max_tokens=16),
+                             range(requests)))
+
+
+def test_a_burst_past_the_bound_is_refused_at_once_and_counted_by_class(live):
+    answers = _burst(live)
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused and any(a.status_code == 200 for a in answers), [a.status_code for a in answers]
+    assert all(a.json()["error"]["code"] == "queue_full" and int(a.headers["retry-after"]) >= 1 for a in refused)
+    assert all(a.headers["x-shunter-priority"] == "standard" for a in answers), "the default class, without keys"
+
+
 def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
     from shunter.ops.dashboards.dashboards import all_dashboards
     from shunter.ops.dashboards.promql_names import allowed_external_metrics, dashboard_metric_names
@@ -241,6 +260,7 @@ def test_every_dashboard_expression_returns_data_from_prometheus(live):
     from shunter.ops.dashboards.promql_names import interpolate, slo_values
 
     for round_ in range(3):
+        _burst(live)  # refusals rise on a series that exists: the flow dashboard's refusal panels
         for i in range(2):
             with httpx.stream("POST", f"{live.base}/v1/chat/completions", timeout=120, json={
                     "model": MODEL, "stream": True, "max_tokens": 8,

@@ -227,3 +227,24 @@ def test_a_tenant_that_was_idle_starts_at_the_class_clock_with_no_credit_saved_u
 
     first_ten_after = _run(run())
     assert 4 <= first_ten_after.count("late") <= 6, first_ten_after
+
+
+def test_headroom_is_counted_in_the_sequences_the_engine_runs_when_fewer_than_the_slots():
+    """64 slots but engines that run 32 sequences at once: batch (0.75) may hold 24 turns, not 48, so an
+    urgent arrival finds a running sequence free in the engine, not only a place in its queue."""
+    classes = [PriorityClassConfig(name="interactive"), PriorityClassConfig(name="batch", capacity_share=0.75)]
+
+    async def run() -> tuple[int, bool]:
+        queue = FlowQueue(lambda: 64, classes, running=lambda: 32)
+        waiting = [asyncio.ensure_future(queue.enter(60, rank=1)) for _ in range(30)]
+        await asyncio.sleep(0)
+        admitted = queue.dispatched
+        urgent = await asyncio.wait_for(queue.enter(60, rank=0), 1)
+        for w in waiting:
+            w.cancel()
+        return admitted, urgent
+
+    admitted, urgent = asyncio.run(run())
+    assert admitted == 24 and urgent
+    unlimited = FlowQueue(lambda: 64, classes, running=lambda: 128)
+    assert unlimited._limit(1) == 48 and unlimited._limit(0) == 64, "more sequences than slots: the slots count"
