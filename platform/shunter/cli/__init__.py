@@ -16,6 +16,8 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter bench agents ...      chat, Responses and Messages: Shunter against vLLM's own server
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
     shunter bench lora ...        LoRA adapters under a Zipf mix: adapter-aware routing vs the others (2 replicas)
+    shunter bench contention ...  a flood beside a light tenant, two tenants of one class, 2x overload: vLLM,
+                                  Ray Serve LLM and Shunter with and without priority classes
     shunter bench placement       how often a placement splits a TP stage across nodes (simulated cluster)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
     shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
@@ -33,8 +35,8 @@ from shunter.cli.render import DEFAULT_IMAGE
 
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
-BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "routing", "lora", "placement", "tiers",
-              "suite")
+BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "contention", "routing", "lora", "placement",
+              "tiers", "suite")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("overhead", help="Shunter vs vLLM alone, vLLM's server and Ray Serve LLM (its own options: --help)")
     bench.add_parser("agents", help="chat, Responses and Messages through Shunter and vLLM's own server")
     bench.add_parser("saturation", help="a burst far past capacity: refusal latency, admitted TTFT, wall time")
+    bench.add_parser("contention", help="who goes first when the model is full: noisy neighbour, same-class "
+                     "shares, goodput at 2x overload, Retry-After (its own options: --help)")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("lora", help="LoRA adapters under a skewed mix on 2 replicas, by routing policy (its own "
                      "options: --help)")
@@ -94,6 +98,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_saturation import main as saturation
 
         return saturation(argv)
+    if action == "contention":
+        from shunter.cli.bench_contention import main as contention
+
+        return contention(argv)
     if action == "agents":
         from shunter.cli.bench_agents import main as agents
 

@@ -11,8 +11,9 @@ messages rendered by the model's own chat template:
     shunter bench overhead [--config configs/local.yaml] [--model NAME] [--concurrency 1,8,32]
 
 `shunter bench suite` (what `make bench` runs) adds the naive baseline (transformers `generate`, one
-request at a time), a shared-prefix run against Shunter, the routing policies side by side and two
-saturation bursts (`shunter bench saturation`), and writes docs/benchmarks.md with its plots under
+request at a time), a shared-prefix run against Shunter, the routing policies side by side, two
+saturation bursts (`shunter bench saturation`) and the contention workloads (`shunter bench contention`),
+and writes docs/benchmarks.md with its plots under
 docs/img/. Benchmarks report; they never assert.
 """
 
@@ -281,6 +282,11 @@ def suite_main(argv: list[str] | None = None) -> int:
     from shunter.cli.bench_lora import compare_lora
 
     lora = compare_lora(args.config, args.model, list(LORA_POLICIES))
+    from shunter.cli.bench_contention import DEFAULT_SIDES, Durations, Workload
+    from shunter.cli.bench_contention import measure as contention
+    from shunter.cli.bench_contention_report import cpu_info
+
+    contended = contention(args.config, args.model, list(DEFAULT_SIDES), Durations(), Workload())
     env = environment()
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "suite.json").write_text(json.dumps({**result, "baseline": baseline, **env}, indent=1))
@@ -296,6 +302,8 @@ def suite_main(argv: list[str] | None = None) -> int:
     result["tenants"] = tenants
     (args.results / "lora.json").write_text(json.dumps({"benchmark": "lora", **lora, **env}, indent=1))
     result["lora"] = lora
+    result["contention"] = {"benchmark": "contention", **contended, "quick": False, **env, "cpu": cpu_info()}
+    (args.results / "contention.json").write_text(json.dumps(result["contention"], indent=1))
     img = args.docs / "img"
     plot_latency_cdfs(result["shared_prefix"], img / "shared-prefix-cdf.png", title=result["shared_prefix"]["label"])
     plot_overhead(result["overhead"], baseline["tokens_per_s"], img / "overhead.png")
@@ -307,6 +315,7 @@ def suite_main(argv: list[str] | None = None) -> int:
 def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[str, Any],
                    shared_options: list[str]) -> str:
     from shunter.bench.compare import compare_table
+    from shunter.cli.bench_contention_report import contention_section
     from shunter.cli.bench_lora import lora_section
     from shunter.cli.bench_routing_report import isolation_section, kv_pressure_section, routing_section
     from shunter.cli.bench_saturation import table as saturation_table
@@ -317,8 +326,8 @@ def _benchmarks_md(result: dict[str, Any], baseline: dict[str, Any], env: dict[s
     return f"""# Benchmarks
 
 Written by `make bench` (`shunter bench suite`); the data is in `results/suite.json`,
-`results/routing.json`, `results/routing-kv-pressure.json`, `results/routing-kv-pressure-scale-out.json` and
-`results/lora.json`. Benchmarks
+`results/routing.json`, `results/routing-kv-pressure.json`, `results/routing-kv-pressure-scale-out.json`,
+`results/lora.json` and `results/contention.json`. Benchmarks
 report; no test asserts a timing. This machine is a shared VM: the same run varies by up to about
 30% from one run to the next, so compare figures taken in one run (the ratios), not across runs.
 
@@ -377,7 +386,9 @@ vLLM's server queues everything. Wall time and TTFT are over the requests each s
 
 {kv_pressure_section(result["kv_scale_out"], 8)}
 
-{isolation_section(result["tenants"], 9)}"""
+{isolation_section(result["tenants"], 9)}
+
+{contention_section(result["contention"], 10)}"""
 
 
 def _saturation_ratios(rows: list[dict[str, Any]]) -> str:

@@ -35,6 +35,8 @@ def vllm_server(model_path: str, served_name: str, engine_cfg: Any) -> tuple[sub
            "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
            "--max-num-seqs", str(args["max_num_seqs"]), "--disable-uvicorn-access-log"]
     cmd += ["--enforce-eager"] if args["enforce_eager"] else []
+    if args.get("scheduling_policy", "fcfs") != "fcfs":  # engine.scheduling_policy: priority
+        cmd += ["--scheduling-policy", args["scheduling_policy"]]
     env = {**os.environ, **cpu_engine_env(engine_cfg.cpu_kv_cache_gib, ",".join(map(str, node_cores())))}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
