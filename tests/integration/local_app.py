@@ -60,6 +60,18 @@ def _start(metrics_port: int | None, host: str) -> int:
         raise
 
 
+def _without_ledger_when_all_fake(args: dict[str, Any]) -> dict[str, Any]:
+    """An app whose every model is the FAKE engine (the fault tests: routing, breakers, failover, draining,
+    admission) runs without the usage ledger unless its config says otherwise: the ledger is one more
+    replica to start and stop on every deploy (about 5 s on 2 cores), and the apps with real engines (the
+    keyed app's usage tests) test it."""
+    sources = [m.get("source", "") for m in args.get("models", [])] + \
+        [v.get("source", "") for m in args.get("models", []) for v in m.get("versions", [])]
+    if "usage" in args or not sources or not all(str(s).startswith("fake:") for s in sources if s):
+        return args
+    return {**args, "usage": {"enabled": False}}
+
+
 @contextmanager
 def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, blocking: bool = True,
               host: str = "127.0.0.1", keep_cluster: bool = False) -> Iterator[str]:
@@ -88,7 +100,7 @@ def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, 
     generation = _kept.get("generation")
     stopped_cleanly = False
     try:
-        app = assemble(parse_config(args), engine_factory=FACTORY)
+        app = assemble(parse_config(_without_ledger_when_all_fake(args)), engine_factory=FACTORY)
         if blocking:
             serve.run(app, name=name, route_prefix="/")
         else:
