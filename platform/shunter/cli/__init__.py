@@ -18,6 +18,7 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter bench lora ...        LoRA adapters under a Zipf mix: adapter-aware routing vs the others (2 replicas)
     shunter bench contention ...  a flood beside a light tenant, two tenants of one class, 2x overload: vLLM,
                                   Ray Serve LLM and Shunter with and without priority classes
+    shunter bench builds REF ...  the Shunter side of `bench overhead` for several commits of this repo, in one run
     shunter bench placement       how often a placement splits a TP stage across nodes (simulated cluster)
     shunter bench suite           the standard suite behind `make bench` (writes docs/benchmarks.md)
     shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
@@ -36,7 +37,7 @@ from shunter.cli.render import DEFAULT_IMAGE
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
 BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "contention", "routing", "lora", "placement",
-              "tiers", "suite")
+              "tiers", "suite", "builds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
     bench.add_parser("lora", help="LoRA adapters under a skewed mix on 2 replicas, by routing policy (its own "
                      "options: --help)")
+    bench.add_parser("builds", help="the Shunter side of `bench overhead` for several commits, interleaved in one "
+                     "run, with ratios to the first (its own options: --help)")
     bench.add_parser("placement", help="plain PACK vs stage-first placement on a fragmented simulated cluster")
     bench.add_parser("tiers", help="a mixed workload to `model: auto`: tier split and cost vs the top tier")
     bench.add_parser("suite", help="the standard suite (make bench): results/ and docs/benchmarks.md")
@@ -106,6 +109,10 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_agents import main as agents
 
         return agents(argv)
+    if action == "builds":
+        from shunter.cli.bench_builds import main as builds
+
+        return builds(argv)
     if action == "tiers":
         from shunter.cli.bench_tiers import main as tiers
 
