@@ -211,7 +211,11 @@ class Forwarder:
         # A batch (embedding inputs, completion prompts, choices) is that many engine requests' worth of work.
         weight = gate.admitted_weight(capacity, ctx.parsed.engine_requests)
         needed = queue.ahead_of(rank)
-        retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed)
+        caller, ticket = ctx.caller, ctx.ticket
+        tenant = caller.name if caller is not None else ""
+        digest = getattr(request.state, "body_digest", None)
+        retry_key = (tenant, digest) if digest is not None else None  # its retry finds the place a refusal keeps
+        retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed, retry_key)
         if retry_after is not None:
             ops_metrics.rejection(model.name, "queue_full")
             tel.refused("queue_full")
@@ -226,13 +230,11 @@ class Forwarder:
         cold = model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0]))
         if cold:
             wait = max(wait, model.autoscaling.cold_start_timeout_s)  # type: ignore[union-attr]
-        caller, ticket = ctx.caller, ctx.ticket
-        tenant = caller.name if caller is not None else ""
         share = caller.config.weight if caller is not None and caller.config is not None else 1.0
         cost = max(1, ticket.tokens_at_most) if ticket is not None else 1
         if not await queue.enter(wait, rank, tenant, share, cost):
             tel.refused("cold_start_timeout" if cold else "queue_timeout")
-            raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank)))
+            raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank), rank, retry_key, weight))
         tel.turn()
         end.dispatched(queue)
         return await self._admitted(end, versions)

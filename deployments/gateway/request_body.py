@@ -12,6 +12,7 @@ it, vLLM's tokenizer, its JSON replies, the gateway's own error messages, raises
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 from typing import Any
@@ -43,6 +44,8 @@ class BodyReader:
         _require_json(request, optional)
         raw = await self._read(request)
         request.state.body_bytes = len(raw)
+        # What a retry of this very request carries too: the place a refusal keeps is found by it.
+        request.state.body_digest = hashlib.blake2b(raw, digest_size=16).digest()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

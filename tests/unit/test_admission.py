@@ -131,3 +131,126 @@ def test_the_wait_and_retry_after_follow_the_slots_its_class_needs():
     assert gate.expected_wait_s(capacity=50, slots_needed=8) == pytest.approx(7)
     assert gate.try_admit(capacity=50, max_wait_s=5, slots_needed=8) == 7, "refused: 7 s of waiting, retry then"
     assert gate.try_admit(capacity=50, max_wait_s=10, slots_needed=8) is None
+
+
+def _saturated(clock: Clock, rank_rates: dict[int, int], seconds: int = 8) -> AdmissionGate:
+    """A gate whose classes finished `rank_rates[rank]` requests a second for `seconds` seconds."""
+    gate = AdmissionGate(max_queued=4, clock=clock)
+    for _ in range(seconds):
+        clock.now += 1
+        for rank, per_s in rank_rates.items():
+            for _ in range(per_s):
+                gate.try_admit(capacity=100, rank=rank)
+                gate.release(rank=rank)
+    return gate
+
+
+def test_a_class_is_told_the_rate_its_own_and_less_urgent_slots_free_not_every_class():
+    clock = Clock()
+    gate = _saturated(clock, {0: 9, 2: 1})  # interactive finishes 9 a second, batch 1
+    # 8 batch finishes from t=1 to t=8: 8 per 7 s; the interactive ones do not free slots for batch work
+    assert gate.expected_wait_s(capacity=100, rank=2, slots_needed=8) == pytest.approx(7)
+    assert gate.expected_wait_s(capacity=100, rank=0, slots_needed=8) == pytest.approx(8 / (80 / 7))
+    assert gate.retry_after_s(8, rank=2) == 7
+    quiet = _saturated(Clock(), {0: 9, 2: 0})
+    assert quiet.expected_wait_s(capacity=100, rank=2, slots_needed=8) == pytest.approx(8 / (72 / 7)), \
+        "no batch finishes to go by: every class's rate"
+
+
+def _full(clock: Clock) -> AdmissionGate:
+    """Bound 2 + 4, full, 1 finish a second measured."""
+    gate = AdmissionGate(max_queued=4, clock=clock)
+    for _ in range(8):
+        clock.now += 1
+        gate.try_admit(capacity=2)
+        gate.release()
+    while gate.try_admit(capacity=2) is None:
+        pass
+    assert gate.admitted == 6
+    return gate
+
+
+def test_a_refused_request_keeps_its_place_and_its_retry_gets_in_when_told():
+    clock = Clock()
+    gate = _full(clock)
+    told = gate.try_admit(capacity=2, retry_key=("a", b"body"))
+    assert told == 5, "4 queued + this one, at 8 finishes in 7 s"
+    assert len(gate.places) == 1
+    clock.now += told
+    for _ in range(5):  # meanwhile 5 finished; arrivals without a place may not take the place kept
+        gate.release()
+    assert gate.admitted == 1 and gate.places.kept_through(0) == 1
+    assert [gate.try_admit(capacity=2, slots_needed=1) for _ in range(4)] == [None] * 4
+    assert gate.try_admit(capacity=2, slots_needed=1, retry_key=("b", b"body")) is not None, \
+        "the fifth would take the kept place: refused"
+    assert gate.try_admit(capacity=2, slots_needed=1, retry_key=("a", b"body")) is None, "the retry takes it"
+    assert len(gate.places) == 1 and gate.admitted == 6, "b's refusal kept b a place; a's is used"
+
+
+def test_a_place_is_taken_only_when_due_so_the_same_body_sent_again_meanwhile_is_a_new_request():
+    clock = Clock()
+    gate = _full(clock)
+    assert gate.try_admit(capacity=2, retry_key=("a", b"body")) == 5
+    clock.now += 2
+    gate.release(3)  # three finished: room for a new request, and the place kept stays ahead of it
+    assert gate.try_admit(capacity=2, slots_needed=1, retry_key=("a", b"body")) is None, \
+        "not due: the same body is another request, admitted as any new one would be"
+    assert len(gate.places) == 1
+    gate.try_admit(capacity=2, slots_needed=1)
+    assert gate.try_admit(capacity=2, slots_needed=1, retry_key=("a", b"body")) is not None, "the bound is full"
+    assert len(gate.places) == 2
+    clock.now += 2  # within a second of due: Retry-After is rounded up to whole seconds
+    assert gate.try_admit(capacity=2, retry_key=("a", b"body")) is None, "the first place is due: taken"
+    assert len(gate.places) == 1
+
+
+def test_a_place_not_taken_lapses_and_the_same_request_is_then_new():
+    clock = Clock()
+    gate = _full(clock)
+    assert gate.try_admit(capacity=2, retry_key=("a", b"body")) == 5
+    clock.now += 5 + 2.5  # due, then its grace (half the wait told) run out
+    assert len(gate.places) == 1
+    clock.now += 0.1
+    assert len(gate.places) == 0 and gate.places.kept_through(0) == 0
+    assert gate.try_admit(capacity=2, retry_key=("a", b"body")) is not None, "the queue is still full"
+
+
+def test_places_are_kept_per_class_and_never_hold_back_a_request_that_can_start_at_once():
+    clock = Clock()
+    gate = _full(clock)
+    assert gate.try_admit(capacity=2, rank=2, retry_key=("batch", b"x")) is not None
+    assert gate.places.kept_through(2) == 1 and gate.places.kept_through(0) == 0, \
+        "a batch place is not ahead of interactive work"
+    gate.release(6)
+    assert gate.try_admit(capacity=2, rank=2, slots_needed=0) is None, "a free slot is never left for a place"
+
+
+def test_a_wait_past_the_longest_retry_after_keeps_no_place():
+    clock = Clock()
+    gate = AdmissionGate(max_queued=1000, window_s=1000, clock=clock)
+    for _ in range(8):
+        clock.now += 10
+        gate.try_admit(capacity=1)
+        gate.release()
+    assert gate.retry_after_s(100, retry_key=("a", b"x")) == MAX_RETRY_AFTER_S
+    assert len(gate.places) == 0, "nothing is promised beyond the longest Retry-After"
+
+
+def test_the_places_kept_are_bounded():
+    from shunter.deployments.gateway.retry_places import RetryPlaces
+
+    places = RetryPlaces(Clock(), max_places=3, per_owner=2)
+    assert [places.keep(("a", i), 0, 1, 5.0) for i in range(3)] == [True, True, False], "a's own bound"
+    assert places.keep(("b", 0), 0, 1, 5.0) and not places.keep(("c", 0), 0, 1, 5.0), "the gate's bound"
+    assert len(places) == 3 and places.kept_through(0) == 3
+    places.take(places.find(("a", 0), 0))
+    assert len(places) == 2 and places.keep(("a", 3), 0, 1, 5.0)
+
+
+def test_a_caller_that_never_retries_keeps_no_more_places_than_the_queue_bound():
+    clock = Clock()
+    gate = _full(clock)  # queue bound 4
+    told = [gate.try_admit(capacity=2, retry_key=("hostile", f"body {i}".encode())) for i in range(10)]
+    assert all(t is not None for t in told) and len(gate.places) == 4
+    assert gate.try_admit(capacity=2, retry_key=("other", b"x")) is not None
+    assert len(gate.places) == 5, "another caller still gets its place"

@@ -134,6 +134,10 @@ def test_shunter_sides_configs(tmp_path):
     assert kept.flow_control.default_classes
     assert bc.shunter_config(cfg, model, bc.SIDES["shunter-classes-fcfs"], tmp_path, w).models[0].engine \
         .scheduling_policy == "fcfs"
+    for deadlines in (True, False):
+        half = bc.shunter_config(cfg, model, bc.SIDES["shunter-classes-share50"], tmp_path, w, deadlines).flow_control
+        assert half.find("batch").capacity_share == 0.5 and half.find("interactive") is not None
+    assert flow.find("batch").capacity_share == 0.75
 
 
 # ---- arithmetic ----

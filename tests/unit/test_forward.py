@@ -287,3 +287,46 @@ def test_the_engine_gets_the_priority_of_the_requests_class_when_it_schedules_by
     refused = asyncio.run(forwarder.forward(_request(_body(priority=-5)), CHAT))
     assert refused.status_code == 400 and json.loads(bytes(refused.body))["error"]["code"] == "priority_not_allowed"
     assert len(replica.bodies) == 2, "a client's own engine priority never reaches an engine"
+
+
+def test_a_refused_requests_retry_finds_the_place_its_refusal_kept_and_a_newcomer_does_not_take_it():
+    """The same caller sending the same body again is the retry a 429's Retry-After was told to; a
+    request arriving meanwhile with another body counts that place as taken."""
+    config = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct",
+                                       "max_ongoing_requests": 1, "admission": {"max_queued_requests": 2}}]})
+    forwarder, _, _ = build_pipeline(config, {"m": LongReplica()})
+    model = config.models[0]
+    gate, queue = forwarder.state.gate(model), forwarder.state.dispatch(model)
+    for _ in range(8):  # a measured finish rate: Retry-After is computed from it, and a place promised
+        gate.try_admit(capacity=1)
+        gate.release()
+
+    def ask(content: str) -> Any:
+        return asyncio.ensure_future(forwarder.forward(_request(_body(messages=[
+            {"role": "user", "content": content}])), CHAT))
+
+    async def run() -> None:
+        running = ask("running")
+        await asyncio.sleep(0.05)
+        first, second = ask("first"), ask("second")
+        await asyncio.sleep(0.05)
+        assert queue.depth == 2 and gate.admitted == 3, "the bound (1 + 2) is full"
+        refused = await ask("refused")
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert len(gate.places) == 1
+        first.cancel()  # a place in the queue frees; the refused request's kept place is still ahead
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        newcomer = await ask("newcomer")
+        assert newcomer.status_code == 429, "the freed place is the refused request's"
+        assert len(gate.places) == 2, "the newcomer keeps a place after it"
+        retry = ask("refused")
+        await asyncio.sleep(0.05)
+        assert not retry.done() and queue.depth == 2, "admitted beyond the bound on its place: it waits its turn"
+        assert len(gate.places) == 1
+        for task in (retry, second, running):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())

@@ -10,7 +10,9 @@ core), the same engine settings on every side, every side measured in one run:
   tenants: standard), engine `scheduling_policy: priority`, each class's queueing deadline its goodput
   TTFT target (`--default-deadlines`: the built-in ones);
 - `shunter-classes-fcfs` (`--with-classes-fcfs`): the same classes on an fcfs engine (does the engine's
-  priority scheduling earn its place as the default?).
+  priority scheduling earn its place as the default?);
+- `shunter-classes-share50` (by `--sides` only): those, with batch work held to half the engine's
+  sequences instead of the default 75% (what more headroom buys the light tenant, and costs the flood).
 
 The workloads, one after another on each side (after a warmup):
 1. noisy neighbour: a light tenant sends one 16-token chat every 2 s, alone and then while a flood tenant
@@ -20,8 +22,9 @@ The workloads, one after another on each side (after a warmup):
 3. goodput at 2x overload: interactive and batch requests arriving (seeded Poisson) at twice the engine's
    capacity (the first side's flood-alone throughput); goodput = requests whose first token came within
    their class's TTFT target, per second. A request refused with `Retry-After` is sent once more after it
-   (before the arrivals end); the wait it then saw, from the refusal to its first token, is what
-   `Retry-After` is measured against (4).
+   (before the arrivals end, the same body again, as OpenAI's SDKs retry; each arrival's question is
+   numbered, so no two arrivals send the same body); the wait it then saw, from the refusal to its first
+   token, is what `Retry-After` is measured against (4).
 
 Every request streams (`ignore_eos`, temperature 0); TTFT is the first content chunk, throughput and
 shares count output tokens (the running usage on every chunk) arriving inside a phase's window (its first seconds, the engine filling, left out). A
@@ -59,6 +62,7 @@ class Side:
     server: str  # vllm | ray-serve-llm | shunter
     scheduling_policy: str = "fcfs"  # the engine's
     classes: bool = False  # Shunter: the keys carry their tenants' classes (else every key is standard)
+    batch_share: float = 0.75  # Shunter with classes: the batch class's capacity_share (0.75: the default)
 
     @property
     def sends_priority(self) -> bool:
@@ -77,6 +81,7 @@ SIDES = {s.name: s for s in (
     Side("shunter-no-classes", "shunter"),
     Side("shunter-classes", "shunter", "priority", classes=True),
     Side("shunter-classes-fcfs", "shunter", "fcfs", classes=True),
+    Side("shunter-classes-share50", "shunter", "fcfs", classes=True, batch_share=0.5),
 )}
 DEFAULT_SIDES = ("vllm-fcfs", "vllm-priority", "ray-serve-llm", "shunter-no-classes", "shunter-classes")
 
@@ -335,7 +340,9 @@ def open_loop(client: Client, arrivals: list[tuple[float, str, str, int]], t0: f
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         shot = Shot(tenant, klass, time.perf_counter() - t0)
         shots.append(shot)
-        question = QUESTIONS[i % len(QUESTIONS)]
+        # Every arrival a request of its own (a retry is the same body again, and Shunter finds the place its
+        # refusal kept by it): the 8 questions, numbered.
+        question = f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})"
         try:
             await asyncio.wait_for(client.send(shot, max_tokens, t0, question), timeout_s)
         except TimeoutError:
@@ -466,7 +473,13 @@ def shunter_config(cfg: Any, model: Any, side: Side, key_dir: Path, w: Workload,
         app["flow_control"] = {**base.get("flow_control", {}), "classes": [
             {"name": "interactive", "max_wait_s": w.target_interactive_s},
             {"name": "standard", "min_share": 0.1},
-            {"name": "batch", "max_wait_s": w.target_batch_s, "capacity_share": 0.75, "min_share": 0.05}]}
+            {"name": "batch", "max_wait_s": w.target_batch_s, "capacity_share": side.batch_share, "min_share": 0.05}]}
+    elif side.classes and side.batch_share != 0.75:  # the built-in classes, batch's share changed
+        from shunter.config.flow import FlowControlConfig
+
+        app["flow_control"] = {**base.get("flow_control", {}), "classes": [
+            {**c.model_dump(mode="json"), **({"capacity_share": side.batch_share} if c.name == "batch" else {})}
+            for c in FlowControlConfig().classes]}
     return ShunterConfig.model_validate(app)
 
 
