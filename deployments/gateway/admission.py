@@ -107,11 +107,13 @@ class AdmissionGate:
     def expected_wait_s(self, capacity: int, rank: int = 0, slots_needed: int | None = None) -> float | None:
         """How long a request admitted now would wait for a slot: 0 while there is room, else the slots that
         must free first (places kept for refused requests of its class and the more urgent ones included)
-        over the rate they free for its class; None while too few finished to tell."""
+        over the rate they free for its class; None while too few of its class and the less urgent ones
+        finished to tell (the other classes' rate says nothing of how fast a burst of this one clears: a
+        flood of batch work after a quiet spell of short interactive requests would be refused on it)."""
         needed = self._needed(capacity, rank, slots_needed)
         if needed <= 0:
             return 0.0
-        rate = self._rate(rank)
+        rate = self._rate(rank, fallback=False)
         return None if rate is None else (needed + self.places.kept_through(rank)) / rate
 
     def release(self, weight: int = 1, rank: int = 0) -> None:
@@ -157,12 +159,12 @@ class AdmissionGate:
     def _needed(self, capacity: int, rank: int, slots_needed: int | None) -> int:
         return self.queued(capacity, rank) + 1 if slots_needed is None else slots_needed
 
-    def _rate(self, rank: int = 0) -> float | None:
+    def _rate(self, rank: int = 0, fallback: bool = True) -> float | None:
         """Slots freed per second for class `rank`: its own and the less urgent classes' finishes (the more
-        urgent ones' slots go to their own waiting work first); every class's while those are too few to
-        trust; None while even those are."""
+        urgent ones' slots go to their own waiting work first); with `fallback`, every class's while those
+        are too few to trust; None while even those are."""
         self._expire()
-        for ranks in ([r for r in self._finished if r >= rank], list(self._finished)):
+        for ranks in ([r for r in self._finished if r >= rank], list(self._finished))[:2 if fallback else 1]:
             finished = [self._finished[r] for r in ranks if self._finished[r]]
             count = sum(len(f) for f in finished)
             if count >= MIN_FINISHES_FOR_RATE:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shunter.deployments.gateway.admission import (
@@ -153,8 +155,10 @@ def test_a_class_is_told_the_rate_its_own_and_less_urgent_slots_free_not_every_c
     assert gate.expected_wait_s(capacity=100, rank=0, slots_needed=8) == pytest.approx(8 / (80 / 7))
     assert gate.retry_after_s(8, rank=2) == 7
     quiet = _saturated(Clock(), {0: 9, 2: 0})
-    assert quiet.expected_wait_s(capacity=100, rank=2, slots_needed=8) == pytest.approx(8 / (72 / 7)), \
-        "no batch finishes to go by: every class's rate"
+    assert quiet.expected_wait_s(capacity=100, rank=2, slots_needed=8) is None, \
+        "no batch finishes to go by: no wait is known, so none refuses a burst of batch work"
+    assert quiet.try_admit(capacity=100, max_wait_s=0.1, rank=2, slots_needed=8) is None
+    assert quiet.retry_after_s(8, rank=2) == math.ceil(8 / (72 / 7)), "a Retry-After goes by every class's rate"
 
 
 def _full(clock: Clock) -> AdmissionGate:
