@@ -41,6 +41,8 @@ class Place:
 
 
 class RetryPlaces:
+    """One model's kept places in one gateway (see the module docstring), found by (owner, body digest)."""
+
     def __init__(self, clock: Callable[[], float], max_places: int = MAX_PLACES, per_owner: int = MAX_PLACES):
         self.clock = clock
         self.max_places, self.per_owner = max_places, per_owner

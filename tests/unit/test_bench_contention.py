@@ -135,9 +135,9 @@ def test_shunter_sides_configs(tmp_path):
     assert bc.shunter_config(cfg, model, bc.SIDES["shunter-classes-fcfs"], tmp_path, w).models[0].engine \
         .scheduling_policy == "fcfs"
     for deadlines in (True, False):
-        half = bc.shunter_config(cfg, model, bc.SIDES["shunter-classes-share50"], tmp_path, w, deadlines).flow_control
-        assert half.find("batch").capacity_share == 0.5 and half.find("interactive") is not None
-    assert flow.find("batch").capacity_share == 0.75
+        more = bc.shunter_config(cfg, model, bc.SIDES["shunter-classes-share75"], tmp_path, w, deadlines).flow_control
+        assert more.find("batch").capacity_share == 0.75 and more.find("interactive") is not None
+    assert flow.find("batch").capacity_share == 0.5
 
 
 # ---- arithmetic ----

@@ -131,7 +131,7 @@ def test_the_default_classes_waits_give_way_to_a_shorter_request_timeout():
         "request_timeout_s": 8, "stream_idle_timeout_s": 5}}})
     flow = cfg.flow_control
     assert [flow.max_wait_s(c.name, 3, 8) for c in flow.classes] == [8, 3, 8], "interactive, standard, batch"
-    assert [(c.capacity_share, c.min_share) for c in flow.classes] == [(1, 0), (1, 0.1), (0.75, 0.05)]
+    assert [(c.capacity_share, c.min_share) for c in flow.classes] == [(1, 0), (1, 0.1), (0.5, 0.05)]
 
 
 def test_every_version_of_a_model_schedules_alike():

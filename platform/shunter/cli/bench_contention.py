@@ -11,8 +11,9 @@ core), the same engine settings on every side, every side measured in one run:
   TTFT target (`--default-deadlines`: the built-in ones);
 - `shunter-classes-fcfs` (`--with-classes-fcfs`): the same classes on an fcfs engine (does the engine's
   priority scheduling earn its place as the default?);
-- `shunter-classes-share50` (by `--sides` only): those, with batch work held to half the engine's
-  sequences instead of the default 75% (what more headroom buys the light tenant, and costs the flood).
+- `shunter-classes-share75` (by `--sides` only): those, with batch work allowed 75% of the engine's
+  sequences instead of the default half (the default until run 4 of docs/benchmarks.md section 10: what
+  less headroom gives the flood, and costs the light tenant).
 
 The workloads, one after another on each side (after a warmup):
 1. noisy neighbour: a light tenant sends one 16-token chat every 2 s, alone and then while a flood tenant
@@ -62,7 +63,7 @@ class Side:
     server: str  # vllm | ray-serve-llm | shunter
     scheduling_policy: str = "fcfs"  # the engine's
     classes: bool = False  # Shunter: the keys carry their tenants' classes (else every key is standard)
-    batch_share: float = 0.75  # Shunter with classes: the batch class's capacity_share (0.75: the default)
+    batch_share: float = 0.5  # Shunter with classes: the batch class's capacity_share (0.5: the default)
 
     @property
     def sends_priority(self) -> bool:
@@ -81,7 +82,7 @@ SIDES = {s.name: s for s in (
     Side("shunter-no-classes", "shunter"),
     Side("shunter-classes", "shunter", "priority", classes=True),
     Side("shunter-classes-fcfs", "shunter", "fcfs", classes=True),
-    Side("shunter-classes-share50", "shunter", "fcfs", classes=True, batch_share=0.5),
+    Side("shunter-classes-share75", "shunter", "fcfs", classes=True, batch_share=0.75),
 )}
 DEFAULT_SIDES = ("vllm-fcfs", "vllm-priority", "ray-serve-llm", "shunter-no-classes", "shunter-classes")
 
@@ -474,7 +475,7 @@ def shunter_config(cfg: Any, model: Any, side: Side, key_dir: Path, w: Workload,
             {"name": "interactive", "max_wait_s": w.target_interactive_s},
             {"name": "standard", "min_share": 0.1},
             {"name": "batch", "max_wait_s": w.target_batch_s, "capacity_share": side.batch_share, "min_share": 0.05}]}
-    elif side.classes and side.batch_share != 0.75:  # the built-in classes, batch's share changed
+    elif side.classes and side.batch_share != 0.5:  # the built-in classes, batch's share changed
         from shunter.config.flow import FlowControlConfig
 
         app["flow_control"] = {**base.get("flow_control", {}), "classes": [

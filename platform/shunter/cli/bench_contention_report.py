@@ -189,11 +189,11 @@ def _within(value: float | None, low: float, high: float) -> bool | None:
 
 def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's goals for each Shunter side with classes (`shunter-classes`, `shunter-classes-fcfs`,
-    `shunter-classes-share50`)."""
+    `shunter-classes-share75`)."""
     rows = {r["side"]: r for r in result["sides"]}
     server = rows.get("vllm-fcfs")
     out = []
-    for name in ("shunter-classes", "shunter-classes-fcfs", "shunter-classes-share50"):
+    for name in ("shunter-classes", "shunter-classes-fcfs", "shunter-classes-share75"):
         row = rows.get(name)
         if row is None:
             continue

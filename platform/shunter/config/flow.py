@@ -48,7 +48,7 @@ class PriorityClassConfig(StrictModel):
 def _default_classes() -> list[PriorityClassConfig]:
     return [PriorityClassConfig(name="interactive", max_wait_s=10.0),
             PriorityClassConfig(name="standard", min_share=0.1),
-            PriorityClassConfig(name="batch", max_wait_s=300.0, capacity_share=0.75, min_share=0.05)]
+            PriorityClassConfig(name="batch", max_wait_s=300.0, capacity_share=0.5, min_share=0.05)]
 
 
 class FlowControlConfig(StrictModel):
