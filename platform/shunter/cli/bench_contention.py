@@ -63,7 +63,7 @@ class Side:
     server: str  # vllm | ray-serve-llm | shunter
     scheduling_policy: str = "fcfs"  # the engine's
     classes: bool = False  # Shunter: the keys carry their tenants' classes (else every key is standard)
-    batch_share: float = 0.5  # Shunter with classes: the batch class's capacity_share (0.5: the default)
+    batch_share: float | None = None  # Shunter with classes: the batch class's capacity_share (None: built-in)
 
     @property
     def sends_priority(self) -> bool:
@@ -460,6 +460,7 @@ def shunter_config(cfg: Any, model: Any, side: Side, key_dir: Path, w: Workload,
     the interactive and batch classes' queueing deadlines are the goodput targets (a request that cannot
     start in time is refused at once, with Retry-After, instead of waiting to miss)."""
     from shunter.config import ShunterConfig
+    from shunter.config.flow import FlowControlConfig
 
     engine = {**model.engine.model_dump(mode="json"), "scheduling_policy": side.scheduling_policy}
     served = {**model.model_dump(mode="json"), "replicas": 1, "autoscaling": None, "cpu_cores_per_replica": "auto",
@@ -470,17 +471,17 @@ def shunter_config(cfg: Any, model: Any, side: Side, key_dir: Path, w: Workload,
              "weight": weights.get(tenant, 1.0)} for i, tenant in enumerate(TENANTS)]
     base = cfg.model_dump(mode="json")
     app = {**base, "models": [served], "auth": {"keys": keys}}
+    built_in = FlowControlConfig()
+    batch_share = side.batch_share if side.batch_share is not None else built_in.find("batch").capacity_share
     if side.classes and deadlines_from_targets:
         app["flow_control"] = {**base.get("flow_control", {}), "classes": [
             {"name": "interactive", "max_wait_s": w.target_interactive_s},
             {"name": "standard", "min_share": 0.1},
-            {"name": "batch", "max_wait_s": w.target_batch_s, "capacity_share": side.batch_share, "min_share": 0.05}]}
-    elif side.classes and side.batch_share != 0.5:  # the built-in classes, batch's share changed
-        from shunter.config.flow import FlowControlConfig
-
+            {"name": "batch", "max_wait_s": w.target_batch_s, "capacity_share": batch_share, "min_share": 0.05}]}
+    elif side.classes and side.batch_share is not None:  # the built-in classes, batch's share changed
         app["flow_control"] = {**base.get("flow_control", {}), "classes": [
             {**c.model_dump(mode="json"), **({"capacity_share": side.batch_share} if c.name == "batch" else {})}
-            for c in FlowControlConfig().classes]}
+            for c in built_in.classes]}
     return ShunterConfig.model_validate(app)
 
 
