@@ -14,7 +14,7 @@ STAMP   := $(VENV)/.shunter-installed-$(ENGINE)
 CHECKOV := $(VENV)/tools/checkov/bin/checkov
 
 .DEFAULT_GOAL := help
-.PHONY: help install models prometheus serve test test-unit test-integration test-e2e fuzz bench demo lint dashboards check-config plan render-kuberay clean
+.PHONY: help install models prometheus postgres serve test test-unit test-integration test-e2e fuzz bench demo lint dashboards check-config plan render-kuberay clean
 
 help: ## List the commands
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-17s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -40,6 +40,9 @@ models: install ## Prepare the builtin models of CONFIG into the model cache (on
 prometheus: ## Install Prometheus where missing (Debian's package, as root): make demo and the dashboard tests run it
 	@bash ops/install-prometheus.sh
 
+postgres: ## Install PostgreSQL's server where missing (Debian's package, as root): the Batch API store's tests start one
+	@bash ops/install-postgresql.sh
+
 serve: models ## Serve CONFIG locally on http://127.0.0.1:8000/v1 (shunter serve; Ctrl-C drains, then stops)
 	$(BIN)/shunter serve $(CONFIG)
 
@@ -47,13 +50,13 @@ $(CHECKOV):
 	$(PYTHON) -m venv $(VENV)/tools/checkov
 	$(VENV)/tools/checkov/bin/pip install --quiet "checkov==3.3.30"
 
-test: models prometheus $(CHECKOV) ## Run the whole suite: unit, integration, e2e (real Ray Serve + vLLM CPU engines)
+test: models prometheus postgres $(CHECKOV) ## Run the whole suite: unit, integration, e2e (real Ray Serve + vLLM CPU engines)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install $(CHECKOV) ## Unit tests only (seconds, no Ray, no engine)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-integration: install prometheus ## Integration tests only (real local Ray)
+test-integration: install prometheus postgres ## Integration tests only (real local Ray)
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
 test-e2e: models prometheus ## End-to-end tests only (real engines)

@@ -10,8 +10,10 @@ front end talks to its engine the same way this channel does: ZeroMQ, one batch 
 What stays on Ray: the request itself (routing through the request router, `max_ongoing_requests`,
 cancellation, drain and the replica's death are all Ray's), `Accepted`, the reply head and the first
 chunk (so a replica that fails before the first byte is still failed over). Then the replica moves the
-rest of the stream to the channel: it yields `Moved` on the Ray stream, sends the remaining chunks and an
-end mark (`None`) on the channel, and its Ray call returns when the engine's stream is done. The gateway
+rest of the stream to the channel: it yields `Moved` on the Ray stream, sends the remaining chunks and the
+stream's `StreamEnd` on the channel, and its Ray call returns when the engine's stream is done. A chunk
+travels as `(request id, text, prompt tokens, completion tokens)`, the end as `(request id, None, prompt,
+completion, cached, error)`: the gateway writes the text as it is and parses nothing. The gateway
 reads the Ray stream until `Moved`, then the request's inbox; the Ray call still ends the request (its
 failure is the stream's failure, the client's hang-up cancels it, which aborts the engine's work).
 
@@ -33,6 +35,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from shunter.replica_protocol import StreamChunk, StreamEnd
+
 log = logging.getLogger("ray.serve")
 
 HELLO = b"hello"
@@ -53,9 +57,13 @@ class ReplicaChannel:
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        # Sends go through a plain socket over the same ZeroMQ socket (this loop's thread only): a send never
+        # waits (no high-water mark), and a copied small frame with no future to resolve costs half of an
+        # asyncio send without copying (measured: 3.7 against 7.6 us for a step's message).
+        self._sender = zmq.Socket.shadow(self._socket.underlying)
         self._greeted: set[bytes] = set()  # ids whose hello arrived
         self._lost: set[bytes] = set()
-        self._outbox: dict[bytes, list[tuple[str, str | None]]] = {}
+        self._outbox: dict[bytes, list[tuple[Any, ...]]] = {}
         self._flush_scheduled = False
         self._listener = asyncio.get_running_loop().create_task(self._listen())
 
@@ -65,13 +73,14 @@ class ReplicaChannel:
         key = gateway.encode()
         return key in self._greeted and key not in self._lost
 
-    def send(self, gateway: str, request_id: str, chunk: str | None) -> None:
-        """Queue one chunk (or the end mark) for the gateway; everything queued in this loop turn leaves in
-        one message. Raises ChannelLost when that gateway is gone."""
+    def send(self, gateway: str, request_id: str, item: StreamChunk | StreamEnd) -> None:
+        """Queue one chunk (or the stream's end) for the gateway; everything queued in this loop turn leaves
+        in one message. Raises ChannelLost when that gateway is gone."""
         key = gateway.encode()
         if key in self._lost:
             raise ChannelLost(gateway)
-        self._outbox.setdefault(key, []).append((request_id, chunk))
+        self._outbox.setdefault(key, []).append(
+            (request_id, *item) if isinstance(item, StreamChunk) else (request_id, None, *item))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -80,17 +89,13 @@ class ReplicaChannel:
         self._flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
         for key, items in outbox.items():
-            count = len(items)
-            sent = self._socket.send_multipart([key, msgpack.packb(items)], flags=zmq.NOBLOCK, copy=False)
-            sent.add_done_callback(lambda done, key=key, count=count: self._sent(done, key, count))
-
-    def _sent(self, done: asyncio.Future, key: bytes, count: int) -> None:
-        exc = None if done.cancelled() else done.exception()
-        if exc is not None:  # the gateway disconnected (EHOSTUNREACH): its streams end
-            log.warning("token channel: gateway %s unreachable (%s); %d chunk(s) dropped",
-                        key.decode(errors="replace")[:8], exc, count)
-            self._lost.add(key)
-            self._greeted.discard(key)
+            try:
+                self._sender.send_multipart([key, msgpack.packb(items)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the gateway disconnected (EHOSTUNREACH): its streams end
+                log.warning("token channel: gateway %s unreachable (%s); %d chunk(s) dropped",
+                            key.decode(errors="replace")[:8], exc, len(items))
+                self._lost.add(key)
+                self._greeted.discard(key)
 
     async def _listen(self) -> None:
         while True:
@@ -119,8 +124,8 @@ class GatewayChannels:
         self._inboxes: dict[str, asyncio.Queue[Any]] = {}
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
-        """The inbox of a request about to be sent: its chunks in order, then `None` (they may arrive
-        before the replica's `Moved` does on Ray)."""
+        """The inbox of a request about to be sent: its `StreamChunk`s in order, then its `StreamEnd` (they
+        may arrive before the replica's `Moved` does on Ray)."""
         inbox = self._inboxes[request_id] = asyncio.Queue()
         return inbox
 
@@ -154,7 +159,7 @@ class GatewayChannels:
                 raise
             except zmq.ZMQError:
                 return  # closed
-            for request_id, chunk in msgpack.unpackb(payload):
+            for request_id, text, *rest in msgpack.unpackb(payload):
                 inbox = self._inboxes.get(request_id)
                 if inbox is not None:  # else: the request already ended (its client left)
-                    inbox.put_nowait(chunk)
+                    inbox.put_nowait(StreamChunk(text, *rest) if text is not None else StreamEnd(*rest))

@@ -31,6 +31,7 @@ from typing import Any
 
 from shunter.ops import metrics
 from shunter.ops.backlog import Backlog
+from shunter.ops.standby import publish, serving_set
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,15 @@ def _of_batch(batch: float) -> str:
 ENGINE_REQUESTS_METRIC = "engine_requests"  # what each ModelServer's record_autoscaling_stats reports
 
 
-def queue_depth(ctx: Any) -> float:
+def queue_depth(ctx: Any, ongoing_stands_in: bool = True) -> float:
     """Requests waiting or running in the engines (as the replicas report them) plus those queued at
     handles ahead of every replica. Before the replicas' own reports arrive, Ray's count of ongoing
-    requests stands in for the engines'."""
+    requests stands in for the engines' (`ongoing_stands_in`), though it counts every call, readiness
+    probes too; without it, only the requests queued at handles count until then."""
     reported = (ctx.aggregated_metrics or {}).get(ENGINE_REQUESTS_METRIC) or {}
     if reported:
         return float(sum(reported.values())) + float(ctx.total_queued_requests or 0)
-    return float(ctx.total_num_requests or 0)
+    return float((ctx.total_num_requests if ongoing_stands_in else ctx.total_queued_requests) or 0)
 
 
 class QueueDepthPolicy:
@@ -154,10 +156,13 @@ class QueueDepthPolicy:
     settings say. That state is read from the cluster's key-value store at most every
     `LIVE_STATE_TTL_S` (this runs inside Ray's control loop, which must not wait)."""
 
-    def __init__(self, model: str = "", versioning: dict[str, Any] | None = None, **settings: Any):
+    def __init__(self, model: str = "", versioning: dict[str, Any] | None = None, standby_replicas: int = 0,
+                 **settings: Any):
         self.model = model
         self.settings = ScalingSettings(**settings)
         self.versioning = versioning
+        self.standby = standby_replicas  # warm replicas kept beyond the need (shunter.ops.standby)
+        self._published: tuple[list[str], list[str]] | None = None  # the serving set last written
         self._live: tuple[float, bool] | None = None  # (when read, is this version live)
         self._live_count = 1  # versions of the model live, which share its gateways' backlog
         # (when read, requests waiting in the gateways, batch-class requests waiting or running)
@@ -169,16 +174,39 @@ class QueueDepthPolicy:
         # while a new replica starts would cancel that replica.
         target = ctx.target_num_replicas if ctx.target_num_replicas is not None else ctx.current_num_replicas
         waiting, batch = self._gateway_backlog(getattr(ctx, "app_name", None) or "", now)
-        depth = queue_depth(ctx) + waiting
+        # With a standby running, requests arriving before the engines' first reports are served at once
+        # (routers fall back to it), so nothing waits on this tick; and Ray's ongoing count then is mostly
+        # the gateways' readiness probes, which would name the standby serving with no load at all.
+        depth = queue_depth(ctx, ongoing_stands_in=not self.standby) + waiting
         running = int(ctx.current_num_replicas or 0)
         version = self.versioning["version"] if self.versioning else "default"
         if self.versioning and not self._is_live(getattr(ctx, "app_name", None) or "", now):
             metrics.autoscaling(self.model, 0, running, depth, version)
             return 0, {"reason": "version retired"}
-        decision = decide(int(target), depth, now, self.settings, ScalingState.from_dict(ctx.policy_state),
-                          starting=max(0, int(target) - running), batch=min(batch, depth))
-        metrics.autoscaling(self.model, decision.replicas, running, depth, version)
-        return decision.replicas, {**decision.state.to_dict(), "reason": decision.reason}
+        # The standby replicas ride on top of what the load needs: the decision is about the serving ones.
+        decision = decide(max(0, int(target) - self.standby), depth, now, self.settings,
+                          ScalingState.from_dict(ctx.policy_state), starting=max(0, int(target) - running),
+                          batch=min(batch, depth))
+        state = {**decision.state.to_dict(), "reason": decision.reason}
+        if self.standby:
+            state["first_seen"] = self._name_serving(ctx, decision.replicas, now, version)
+        metrics.autoscaling(self.model, decision.replicas + self.standby, running, depth, version)
+        return decision.replicas + self.standby, state
+
+    def _name_serving(self, ctx: Any, serving: int, now: float, version: str) -> dict[str, float]:
+        """Which running replicas serve (the `serving` seen first) and which stand by; written to the store
+        when that changes, for the gateways' routers. Returns the first-seen times to carry."""
+        running = [r.unique_id for r in (getattr(ctx, "running_replicas", None) or [])]
+        named, seen = serving_set(running, (ctx.policy_state or {}).get("first_seen") or {}, serving, now)
+        standby = sorted(set(running) - set(named))
+        metrics.standby(self.model, len(standby), version)
+        if self._published != (named, standby):
+            try:
+                publish(getattr(ctx, "app_name", None) or "", ctx.deployment_name, named, standby)
+                self._published = (named, standby)
+            except Exception:  # noqa: BLE001 - the GCS briefly unreachable: written at a later tick
+                pass
+        return seen
 
     def _gateway_backlog(self, app: str, now: float) -> tuple[float, float]:
         """This version's share of the requests waiting in the gateways' flow queues, and of the batch-class

@@ -4,6 +4,7 @@ buckets: `shunter.metric_catalog`).
 From the autoscaling policy (in Ray Serve's controller), per model version:
 - `shunter_autoscaling_desired_replicas{model,version}`: what the policy asks for (0 for a retired version);
 - `shunter_autoscaling_running_replicas{model,version}`: replicas running when it decided;
+- `shunter_autoscaling_standby_replicas{model,version}`: of those, the warm standby ones (routed nothing);
 - `shunter_queue_depth{model,version}`: requests waiting or running in the engines plus queued ahead of them.
 
 From the rollout controller (the application's control actor):
@@ -32,6 +33,7 @@ from shunter.ray_metrics import LazyMetrics
 
 # Short names the recording functions below use, for the catalog's full names.
 _SHORT = {"desired": "shunter_autoscaling_desired_replicas", "running": "shunter_autoscaling_running_replicas",
+          "standby": "shunter_autoscaling_standby_replicas",
           "depth": "shunter_queue_depth", "rollout_phase": "shunter_rollout_phase",
           "rollout_step": "shunter_rollout_step", "weight": "shunter_traffic_weight", "gate": "shunter_rollout_gate",
           "decisions": "shunter_rollout_decisions_total", "rejections": "shunter_rejections_total",
@@ -53,6 +55,12 @@ def autoscaling(model: str, desired: int, running: int, depth: float, version: s
         m["desired"].set(desired, tags=tags)
         m["running"].set(running, tags=tags)
         m["depth"].set(depth, tags=tags)
+
+
+def standby(model: str, replicas: int, version: str = "default") -> None:
+    m = _get()
+    if m:
+        m["standby"].set(replicas, tags={"model": model, "version": version})
 
 
 def traffic_weight(model: str, version: str, percent: float) -> None:

@@ -4,6 +4,7 @@ need of Ray's private router internals goes through `shunter.ray_compat`).
 Every policy runs behind `ShunterGuard`, which owns what must hold whatever the policy:
 - replicas whose circuit breaker is open get no traffic (half-open ones get their probes);
 - replicas an operator drains get none while another replica can take it;
+- a model's warm standby replicas get none while a serving one can take it (`shunter.ops.standby`);
 - a retry avoids the replica it failed on; a pinned call (stats, drain) goes to its replica only;
 - the shared per-process state (prefix index, breakers, in-flight counts) follows the replica set,
   and a replica that leaves or dies is forgotten at once.
@@ -87,6 +88,9 @@ class ShunterGuard:
         if hint is not None and hint.avoid:
             others = [c for c in allowed if c.replica_id.unique_id not in hint.avoid]
             allowed = others or allowed  # the only replica left may still serve a retry
+        serving = self._shunter.serving
+        if serving is not None:  # standby replicas take requests only when no serving one can
+            allowed = [c for c in allowed if c.replica_id.unique_id in serving] or allowed
         return allowed
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -57,6 +57,10 @@ class DeploymentRouting:
         # request -> (replica, prompt tokens, when): chosen by a router and not yet sent (see `reserve`)
         self._reserved: dict[str, tuple[str, int, float, str | None]] = {}  # ... and the adapter it names
         self.cordoned: frozenset[str] = frozenset()  # replicas an operator drains: no new requests
+        # With standby replicas (shunter.ops.standby): the replicas that serve (None: all of them), and the
+        # warm ones that get requests only when none of those can take them.
+        self.serving: frozenset[str] | None = None
+        self.standby: frozenset[str] = frozenset()
         self._finished: set[str] = set()  # request ids the gateway is done with, kept _FINISHED_KEPT_S
         self._finished_order: deque[tuple[float, str]] = deque()
         self.adapters = AdapterResidency()
@@ -75,6 +79,23 @@ class DeploymentRouting:
                 log.info("model %s version %s: cordoned replicas %s", self.model, self.version,
                          sorted(cordoned) or "none")
                 self.cordoned = cordoned
+
+    def set_serving(self, serving: Iterable[str], standby: Iterable[str]) -> None:
+        """Which replicas serve and which stand by, as the autoscaling policy named them: routers send new
+        requests to a serving one while one of them can take it, and to any running replica otherwise."""
+        serving, standby = frozenset(serving), frozenset(standby)
+        with self._lock:
+            if (serving, standby) != (self.serving, self.standby):
+                log.info("model %s version %s: serving replicas %s, standby %s", self.model, self.version,
+                         sorted(serving) or "none", sorted(standby) or "none")
+                self.serving, self.standby = serving, standby
+
+    def routable(self) -> int:
+        """Running replicas that take new requests: the serving ones when standby replicas are named and
+        one of them runs (routers send a standby nothing then), else every running replica."""
+        with self._lock:
+            serving = self.replicas & self.serving if self.serving is not None else set()
+            return len(serving or self.replicas)
 
     def load(self, replica: str) -> int:
         """Requests in flight on the replica, counting those a router chose it for and is still sending."""

@@ -22,6 +22,7 @@ class Load:
     max_tokens: int | None = None
     results: list[dict[str, Any]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
 
     def run(self, client: int) -> None:
         with httpx.Client(base_url=self.base, timeout=120) as http:
@@ -55,10 +56,24 @@ class Load:
         return [r for r in self.results if r["status"] != 200 or not r["whole"]]
 
     def start(self) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(self.clients)]
-        for t in threads:
+        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(self.clients)]
+        for t in self.threads:
             t.start()
-        return threads
+        return self.threads
+
+    def answered(self, count: int, timeout_s: float = 120) -> None:
+        """Returns once `count` more requests have been answered (or failed) than when called."""
+        wanted, deadline = len(self.results) + count, time.monotonic() + timeout_s
+        while len(self.results) < wanted:
+            assert time.monotonic() < deadline, f"the load got {len(self.results)} answers, not {wanted}"
+            time.sleep(0.1)
+
+    def finish(self, timeout_s: float = 120) -> None:
+        """Stop sending and wait for every request in flight to end, so `results` holds them all."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+        assert not any(t.is_alive() for t in self.threads), "a client never finished its last request"
 
     def conversations(self) -> dict[str, list[str | None]]:
         seen: dict[str, list[str | None]] = {}

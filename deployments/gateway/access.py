@@ -121,6 +121,13 @@ class AccessControl:
                            code="client_key_required")
         return caller
 
+    def by_key_id(self, key_id: str) -> Caller | None:
+        """The client key whose public id this is (a batch's owner; the anonymous caller without keys), or
+        None when no configured client key has it (removed since)."""
+        if not self.ring.enabled:
+            return ANONYMOUS if key_id == ANONYMOUS.key_id else None
+        return next((c for _, c in self.ring.entries if c.key_id == key_id and not c.admin), None)
+
     def admin(self, headers: Mapping[str, str]) -> Caller:
         """The caller of an /admin request: 401 without a key, 403 for a client key or when no admin key
         is configured. Open only when no key of any kind is configured."""

@@ -167,8 +167,8 @@ def _instant(value: str | None, name: str) -> float | None:
 
 @router.get("/admin/models/{model_id:path}/replicas")
 async def list_replicas(model_id: str, request: Request, gw: Parts) -> Response:
-    """The model's running replicas as this gateway routes to them: version, cordoned, requests it has
-    in flight there, breaker state."""
+    """The model's running replicas as this gateway routes to them: version, cordoned, standby (a warm
+    replica routed nothing while a serving one can take it), requests it has in flight there, breaker state."""
     gw.access.admin(request.headers)
     model = admin_model(gw, model_id)
     gw.traffic.ensure_started()

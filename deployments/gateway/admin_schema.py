@@ -1,4 +1,4 @@
-"""The admin API's request bodies, as typed models with bounds: parsed once, refused with a 400 naming the
+"""The admin API's request bodies (and the Batch API's create body), as typed models with bounds: parsed once, refused with a 400 naming the
 field otherwise. Non-finite numbers never get in (the JSON reader refuses NaN and Infinity, and these
 models refuse them again), so nothing an operator sends can turn a traffic weight into NaN.
 
@@ -8,10 +8,11 @@ them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
+from shunter.batch_files import BATCH_ENDPOINTS
 from shunter.config.adapters import AdapterConfig
 from shunter.errors import ApiError, validation_error_body
 
@@ -76,6 +77,26 @@ class AdapterRolloutBody(BaseModel):
     source: str = Field(min_length=1, max_length=4096, description="The new version's adapter directory.")
 
 
+class CreateBatchBody(_AdminBody):
+    """POST /v1/batches (OpenAI's Batch API)."""
+
+    input_file_id: str = Field(min_length=1, max_length=64, description="An uploaded file of purpose `batch`.")
+    endpoint: Literal[tuple(BATCH_ENDPOINTS)] = Field(  # type: ignore[valid-type]
+        description="The endpoint every line calls (each line's `url`).")
+    completion_window: Literal["24h"] = Field(description="How long the batch may take; lines not run by then "
+                                              "end as `batch_expired` error lines.")
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=16, description="Up to 16 pairs, keys up to 64 and values up to 512 characters.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("keys are up to 64 characters and values up to 512")
+        return metadata
+
+
 def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
     """`body` as `model`, or a 400 naming the field."""
     try:
@@ -85,4 +106,4 @@ def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 ADMIN_BODIES: tuple[type[BaseModel], ...] = (WeightsBody, DrainBody, RolloutStartBody, AdapterBody,
-                                             AdapterRolloutBody)
+                                             AdapterRolloutBody, CreateBatchBody)

@@ -82,23 +82,40 @@ class AdmissionGate:
         `weight`: the engine requests it makes (a batch of embedding inputs or completion prompts, times
         `n`): it counts as that many (`admitted_weight` says how many it took; release that many). A batch
         larger than the whole bound counts as the whole bound, so an idle model still takes it, alone."""
-        bound = max(0, capacity) + self.max_queued
         weight = self.admitted_weight(capacity, weight)
         needed = self._needed(capacity, rank, slots_needed)
         # A place not yet due is no one's yet: the same body may well be another request (a tenant sending
         # one prompt many times), so only a due place is taken, and an early request is a new one.
         place = self.places.find(retry_key, rank) if retry_key is not None else None
-        if place is not None and self.places.is_due(place):
-            self.places.take(place)
-        elif needed > 0:
-            kept = self.places.kept_through(rank)
-            wait = self.expected_wait_s(capacity, rank, slots_needed)
-            if self.admitted_through(rank) + kept + weight > bound or (wait is not None and wait > max_wait_s):
-                return self.retry_after_s(needed, rank, retry_key, weight)
-        elif self.admitted_through(rank) + weight > bound:
+        due = place is not None and self.places.is_due(place)
+        if not due and self._over(capacity, max_wait_s, weight, rank, slots_needed, needed):
             return self.retry_after_s(needed, rank, retry_key, weight)
+        if due:
+            self.places.take(place)
         self._by_rank[rank] = self._by_rank.get(rank, 0) + weight
         return None
+
+    def refuses(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1, rank: int = 0,
+                slots_needed: int | None = None, retry_key: tuple[Hashable, Hashable] | None = None) -> bool:
+        """Whether `try_admit` with the same arguments would refuse; changes nothing (the door asks before
+        it parses a body: a full model's refusal costs no parsing)."""
+        place = self.places.find(retry_key, rank) if retry_key is not None else None
+        if place is not None and self.places.is_due(place):
+            return False
+        weight = self.admitted_weight(capacity, weight)
+        return self._over(capacity, max_wait_s, weight, rank, slots_needed,
+                          self._needed(capacity, rank, slots_needed))
+
+    def _over(self, capacity: int, max_wait_s: float, weight: int, rank: int, slots_needed: int | None,
+              needed: int) -> bool:
+        """Past the count bound (places kept for refused requests count while it would have to wait), or
+        expected to wait longer than `max_wait_s`."""
+        bound = max(0, capacity) + self.max_queued
+        if needed <= 0:
+            return self.admitted_through(rank) + weight > bound
+        kept = self.places.kept_through(rank)
+        wait = self.expected_wait_s(capacity, rank, slots_needed)
+        return self.admitted_through(rank) + kept + weight > bound or (wait is not None and wait > max_wait_s)
 
     def admitted_weight(self, capacity: int, weight: int) -> int:
         """What a request of `weight` engine requests counts for at this gate (at least 1, at most the bound)."""

@@ -129,6 +129,8 @@ class RequestContext:
     outcome: Outcome | None = None
     # The routers' bookkeeping key: unique per request, whatever X-Request-ID a client sends.
     routing_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The usage ledger's id for it when not `routing_id`: a batch's line is one charge however often it ran.
+    ledger_id: str | None = None
     began: float = field(default_factory=time.monotonic)
     # Called once when the request ends, after the platform's own hooks (the tier monitor's comparison).
     on_outcome: list[Callable[[RequestContext], None]] = field(default_factory=list)
@@ -138,9 +140,10 @@ def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None,
                 priority: int | None = None) -> dict[str, Any]:
     """The body the engine gets, built once from the parsed request: the canonical model name the engine
     knows, the tenant's cache salt where the prompt reaches the prefix cache, the scheduling `priority` of
-    its class for an engine that schedules by priority (`priority`; never the client's own), and, for a
-    stream in OpenAI's chunk format, the running usage on every chunk and a final usage chunk (so every
-    token is counted however the stream ends; the stream filter drops what the client did not ask for)."""
+    its class for an engine that schedules by priority (`priority`; never the client's own). A stream's
+    usage is the replica's to count (shunter.deployments.replica.stream_reader): its options stay the
+    client's, their flags as the parsed request read them (`"false"` is false), so the replica, which reads
+    the body it gets, decides on typed values."""
     body = {**parsed.body, "model": engine_name}
     endpoint = parsed.endpoint
     if endpoint.engine_priority:
@@ -149,9 +152,8 @@ def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None,
             body["priority"] = priority
     if endpoint.tenant_cache and cache_salt is not None:
         body["cache_salt"] = cache_salt
-    if parsed.stream and not endpoint.wire.typed_events:
-        options = body.get("stream_options")
-        options = dict(options) if isinstance(options, dict) else {}
-        options.update(include_usage=True, continuous_usage_stats=True)
-        body["stream_options"] = options
+    options = body.get("stream_options")
+    if parsed.stream and isinstance(options, dict):
+        body["stream_options"] = {**options, "include_usage": parsed.usage_chunk,
+                                  "continuous_usage_stats": parsed.continuous_usage}
     return body

@@ -3,15 +3,16 @@
 This module only wires one gateway replica together; each concern has its own module:
 - `api_app`: the FastAPI app and the one error shape for what no route answers; `openapi`: its document,
   from the models that validate;
-- `openai_routes`, `admin_routes`, `lora_routes`: the routes, plain FastAPI functions that check the caller
-  and delegate (an API route names its endpoint's descriptor, `shunter.endpoints`);
+- `openai_routes`, `admin_routes`, `lora_routes`, `files_routes`, `batch_routes`: the routes, plain FastAPI
+  functions that check the caller and delegate (an API route names its endpoint's descriptor, `shunter.endpoints`);
+- `batch_lines`: a batch's lines (run by the head node's BatchService) through the same door and pipeline;
 - `request_body`, `parsed_request`: reading and checking a body (size, time, JSON), then vLLM's model, once;
 - `context`: one request's typed context, from the door to its outcome;
 - `forward`: one API request's pipeline: the door's checks, route, admit, attempt, fail over;
 - `replica_call`, `replica_stream`: starting a request on one version's replicas, with failover, and every
   wait for a replica's next item bounded;
-- `relay`, `stream_filter`: a started stream, to the client, and how it ends; what is read from and taken
-  out of its chunks;
+- `relay`, `stream_account`: a started stream, to the client as bytes, and how it ends; the usage and the
+  in-band error the replica sends beside its chunks;
 - `request_end`: the request's one `Outcome`, recorded once, and the hooks registered on it (the replica's
   release, breaker, rollout, admission, telemetry, quota);
 - `serving_state`: per model and version, the routing state, admission gate, flow queue and drain
@@ -34,9 +35,17 @@ from ray.serve.handle import DeploymentHandle
 from shunter import ray_compat
 from shunter.auth import open_public_bind
 from shunter.config import ShunterConfig
-from shunter.deployments.gateway import admin_routes, lora_routes, openai_routes, parsed_request
+from shunter.deployments.gateway import (
+    admin_routes,
+    batch_routes,
+    files_routes,
+    lora_routes,
+    openai_routes,
+    parsed_request,
+)
 from shunter.deployments.gateway.access import AccessControl
 from shunter.deployments.gateway.api_app import app
+from shunter.deployments.gateway.batch_lines import BatchLines
 from shunter.deployments.gateway.forward import Forwarder
 from shunter.deployments.gateway.lora import LiveAdapters
 from shunter.deployments.gateway.parts import GatewayParts
@@ -58,6 +67,8 @@ USAGE_FLUSH_ON_STOP_S = 2.0  # how long a stopping gateway tries to hand its buf
 app.include_router(openai_routes.router)
 app.include_router(admin_routes.router)
 app.include_router(lora_routes.router)
+app.include_router(files_routes.router)
+app.include_router(batch_routes.router)
 app.add_middleware(SettleUnsettled)  # every request settles once, even one whose stream never started
 app.add_middleware(RateLimitHeaders)  # a known caller's x-ratelimit-* headers on every response
 
@@ -85,9 +96,10 @@ class Gateway:
     _usage_closed = False
 
     def __init__(self, config: dict[str, Any], model_servers: dict[str, dict[str, DeploymentHandle]],
-                 ledger: DeploymentHandle | None = None):
+                 ledger: DeploymentHandle | None = None, batch: DeploymentHandle | None = None):
         """`model_servers`: model -> version -> the handle of that version's ModelServer deployment;
-        `ledger`: the UsageLedger deployment's (None: usage.enabled is false)."""
+        `ledger`: the UsageLedger deployment's (None: usage.enabled is false); `batch`: the BatchService
+        deployment's (None: batch.enabled is false)."""
         cfg = ShunterConfig.model_validate(config)
         refusal = open_public_bind(_http_host(), cfg.auth)
         if refusal is not None:
@@ -102,6 +114,7 @@ class Gateway:
 
         def refreshed(control: dict[str, Any]) -> None:  # once a second, on the event loop
             replicas.apply_cordons(control, cfg.models)
+            replicas.apply_serving(traffic.serving_sets, cfg.models)
             adapters.refresh(control)
             # The autoscaling policy counts the requests waiting here (a blocking store write: off the loop).
             asyncio.get_running_loop().run_in_executor(None, _report_backlog, backlog, state.backlog())
@@ -114,10 +127,22 @@ class Gateway:
         body = BodyReader(cfg.gateway)
         adapters = LiveAdapters(cfg)
         usage = UsageWriter(cfg.usage, ledger) if ledger is not None else None
+        forwarder = Forwarder(cfg, access, body, state, traffic, tiering, adapters, usage)
         self.parts = GatewayParts(
             config=cfg, access=access, body=body, state=state, traffic=traffic, replicas=replicas,
-            forwarder=Forwarder(cfg, access, body, state, traffic, tiering, adapters, usage), tiering=tiering,
-            adapters=adapters, servers=model_servers, created=int(time.time()), usage=usage)
+            forwarder=forwarder, tiering=tiering, adapters=adapters, servers=model_servers, created=int(time.time()),
+            usage=usage, batch=batch)
+        self.batch_lines = BatchLines(forwarder, access)
+
+    # Called by the BatchService (shunter.deployments.batch) through this deployment's handle.
+
+    async def check_batch_lines(self, owner: str, url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+        """Each body's refusal as its endpoint would answer it, or None (shunter.deployments.gateway.batch_lines)."""
+        return await self.batch_lines.check(owner, url, bodies)
+
+    async def run_batch_line(self, owner: str, url: str, body: dict[str, Any], line_id: str) -> dict[str, Any]:
+        """One batch line through this gateway's path, answered as data."""
+        return await self.batch_lines.run(owner, url, body, line_id)
 
     async def __del__(self) -> None:
         """Serve awaits this once the replica's requests drained (scale-down, update, shutdown): the usage

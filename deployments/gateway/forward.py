@@ -21,6 +21,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +36,7 @@ from shunter.deployments.gateway.context import (
     Outcome,
     RequestContext,
     engine_body,
+    refused,
     served,
 )
 from shunter.deployments.gateway.lora import Adapter, LiveAdapters
@@ -46,7 +48,7 @@ from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed
 from shunter.deployments.gateway.request_body import BodyReader, model_field, parse
 from shunter.deployments.gateway.request_end import STATE_KEY, Reply, RequestEnd, UsageWriter, standard_hooks
 from shunter.deployments.gateway.serving_state import ServingState, all_replicas_out
-from shunter.deployments.gateway.stream_filter import StreamFilter
+from shunter.deployments.gateway.stream_account import StreamAccount
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.tiering import Tiering
 from shunter.deployments.gateway.traffic import LiveVersions
@@ -67,6 +69,14 @@ VERSION_HEADER = "x-shunter-version"  # which version of the model served it
 SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
 
 
+class RefusedUnparsed(Exception):
+    """The door refused a full model's request before parsing its body (`Forwarder._refuse_if_full`)."""
+
+    def __init__(self, ctx: RequestContext, refusal: ApiError):
+        super().__init__(refusal.message)
+        self.ctx, self.refusal = ctx, refusal
+
+
 class Forwarder:
     def __init__(self, config: ShunterConfig, access: AccessControl, body: BodyReader, state: ServingState,
                  traffic: LiveVersions, tiering: Tiering | None, adapters: LiveAdapters, usage: UsageWriter | None = None):
@@ -83,6 +93,11 @@ class Forwarder:
         error envelope."""
         try:
             ctx = await self._door(request, endpoint)
+        except RefusedUnparsed as full:  # a full model's: settled, counted and logged as any refusal
+            end = RequestEnd(full.ctx, RequestTelemetry(full.ctx, request.headers), self.hooks)
+            end.tel.refused("queue_full")
+            end.settle(refused(full.refusal.status))
+            return self._with_headers(full.ctx, error_reply(endpoint, full.refusal))
         except ApiError as refusal:  # refused at the door: nothing taken yet, nothing to settle
             return error_reply(endpoint, refusal)
         end = RequestEnd(ctx, RequestTelemetry(ctx, request.headers, self._prompt_for_logs(ctx.parsed.body)),
@@ -90,7 +105,7 @@ class Forwarder:
         request.scope.setdefault("state", {})[STATE_KEY] = end  # the ASGI guard settles what we do not
         try:
             with end.settled_on_failure():
-                return await self._serve(request, end)
+                return await self.serve(end, _retry_key(request, ctx.caller))
         except ApiError as refusal:
             return self._with_headers(ctx, error_reply(endpoint, refusal))
 
@@ -100,11 +115,20 @@ class Forwarder:
         remember(request, self.access, caller)  # its rate-limit headers on whatever it is answered
         body = await self.body.read_json(request)
         name = model_field(body)
+        self._refuse_if_full(request, endpoint, caller, name, body)  # before the costly part of the door
         # Validate once, on typed values: every decision below reads the parsed request.
         parsed = await parse(request, endpoint, body)
+        return self.context(caller, parsed, name, request.headers, _session(request, parsed.body))
+
+    def context(self, caller: Caller, parsed: ParsedRequest, name: str, headers: Mapping[str, str],
+                session: str | None, batch: bool = False) -> RequestContext:
+        """The rest of the door, on the parsed request: the model (or tier, or adapter), whether the key may
+        use it and the model serves the request, the limits, the priority class (`batch`: a batch's line,
+        always in the least urgent class). ApiError for a refusal."""
+        endpoint = parsed.endpoint
         tier = None
         if self.tiering is not None and name == self.tiering.name:
-            tier = self.tiering.classify(endpoint, parsed.body, request.headers, caller.may_use)
+            tier = self.tiering.classify(endpoint, parsed.body, headers, caller.may_use)
             name = tier.tier.model
         model, adapter = self._resolve_model(name, caller)
         # Before saying anything more about the model.
@@ -112,8 +136,7 @@ class Forwarder:
                                 base=model.name if adapter is not None else None)
         check_serving(model, parsed)
         self.access.check_limits(parsed)
-        priority_class = self.classes.resolve(caller, parsed, request.headers)
-        session = _session(request, parsed.body)
+        priority_class = self.classes.for_batch(parsed) if batch else self.classes.resolve(caller, parsed, headers)
         route = self.adapters.route(adapter, session) if adapter is not None else None
         # The engine knows the canonical name only (an adapter's version under rollout, its own).
         engine_name = route.engine_name if route is not None else model.name
@@ -126,7 +149,52 @@ class Forwarder:
                               session=session, priority_class=priority_class,
                               engine_body=engine_body(parsed, engine_name, salt, priority))
 
-    async def _serve(self, request: Request, end: RequestEnd) -> Response:
+    def _refuse_if_full(self, request: Request, endpoint: Endpoint, caller: Caller, name: str,
+                        body: dict[str, Any]) -> None:
+        """Refuse (429, RefusedUnparsed) a request whose model's gate would turn away even the lightest
+        request of the class it will have, before its body is parsed and its prompt rendered: in a burst
+        the refusals are the many, and each must reach its client at once, not after every admitted
+        request's parsing. The whole door decides the same way later for what is not plain here (an
+        adapter, `model: auto`, a class only the parsed request tells), and a key never learns anything of
+        a model it may not use. Refused here, a request has nothing to give back: its quota was never
+        reserved."""
+        model = self.config.find_model(name)
+        if model is None or not caller.may_use(model.name):
+            return
+        priority_class = self.classes.early(caller, body, request.headers)
+        if priority_class is None:
+            return
+        gate, rank = self.state.gate(model), self.config.flow_control.rank(priority_class)
+        capacity, needed = self.state.capacity(model), self.state.dispatch(model).ahead_of(rank)
+        max_wait, retry_key = self._max_wait(model, priority_class), _retry_key(request, caller)
+        if not gate.refuses(capacity, max_wait, 1, rank, needed, retry_key):
+            return
+        retry_after = gate.try_admit(capacity, max_wait, 1, rank, needed, retry_key)
+        assert retry_after is not None  # nothing ran in between: the same verdict
+        # Its context holds the body as it came (never parsed): only the refusal's records read it.
+        ctx = RequestContext(endpoint, ParsedRequest(endpoint, body), model, _request_id(), caller=caller,
+                             priority_class=priority_class)
+        raise RefusedUnparsed(ctx, self._queue_full(model, priority_class, rank, retry_after))
+
+    def _max_wait(self, model: ModelConfig, priority_class: str) -> float:
+        """How long a request of the class may wait for a slot: its class's deadline. It is never admitted when
+        expected to wait longer (it would end in a 503 after that wait), nor past the model's own wait budget."""
+        limits = self.config.gateway.limits
+        deadline = self.config.flow_control.max_wait_s(priority_class, self.config.gateway.queue_timeout_s,
+                                                       limits.request_timeout_s)
+        return min(model.admission.max_wait_s or math.inf, deadline)
+
+    def _queue_full(self, model: ModelConfig, priority_class: str, rank: int, retry_after: int) -> ApiError:
+        """The 429 of a model whose gate refused a request (counted in `shunter_rejections_total`)."""
+        ops_metrics.rejection(model.name, "queue_full")
+        gate, capacity = self.state.gate(model), self.state.capacity(model)
+        wait = gate.expected_wait_s(capacity, rank, self.state.dispatch(model).ahead_of(rank))
+        about = f" (about {wait:.0f}s of waiting)" if wait else ""
+        return ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity, rank)} requests are "
+                        f"already waiting for a replica (priority class {priority_class!r} or more urgent)"
+                        f"{about}; retry in {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
+
+    async def serve(self, end: RequestEnd, retry_key: tuple[str, bytes] | None) -> Response:
         """The quota, then the model's admission and the replicas, within the request timeout."""
         ctx, tel = end.ctx, end.tel
         if ctx.tier is not None:
@@ -143,7 +211,7 @@ class Forwarder:
         timeout = self.config.gateway.limits.request_timeout_s
         with tel.use():
             try:
-                response = await asyncio.wait_for(self._admit(request, end), timeout)
+                response = await asyncio.wait_for(self._admit(end, retry_key), timeout)
             except asyncio.TimeoutError:
                 log.warning("model %s request %s: no reply within the request timeout of %gs", ctx.model.name,
                             ctx.request_id, timeout)
@@ -175,7 +243,7 @@ class Forwarder:
         ctx = RequestContext(endpoint, parsed, model, uuid.uuid4().hex, engine_body=engine_body(parsed, model.name, None),
                              limits=RequestLimits(max_tokens=self.config.gateway.limits.max_tokens,
                                                   max_prompt_tokens=self.config.gateway.limits.max_prompt_tokens))
-        versions = self._versions_for(ctx, None)
+        versions = self._versions_for(ctx)
         gate, rank = self.state.gate(model), self.config.flow_control.rank(self.config.flow_control.default_class)
         if not versions or gate.try_admit(self.state.capacity(model), rank=rank) is not None:
             return None
@@ -188,42 +256,33 @@ class Forwarder:
             return None
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
-    async def _admit(self, request: Request, end: RequestEnd) -> Response:
+    async def _admit(self, end: RequestEnd, retry_key: tuple[str, bytes] | None) -> Response:
         """The model's admission gate (429 past its bound), its flow queue (by class and fair share), then
-        the replicas."""
+        the replicas. `retry_key`: who asks for what, so a refused request's retry finds its place."""
         self.traffic.ensure_started()
         ctx, tel = end.ctx, end.tel
         model = ctx.model
-        versions = self._versions_for(ctx, request)
+        versions = self._versions_for(ctx)
         if not versions:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
-            ctx.version = self._versions_for(ctx, request, skip_unavailable=False)[0]
+            ctx.version = self._versions_for(ctx, skip_unavailable=False)[0]
             raise all_replicas_out(model, self.state.routing(model, ctx.version))
         ctx.version = versions[0]
         gate, queue = self.state.gate(model), self.state.dispatch(model)
         capacity = self.state.capacity(model)
-        flow, limits = self.config.flow_control, self.config.gateway.limits
-        rank = flow.rank(ctx.priority_class)
-        # How long it may wait for a slot: its class's deadline. It is never admitted when expected to wait
-        # longer (it would end in a 503 after that wait), nor past the model's own wait budget.
-        deadline = flow.max_wait_s(ctx.priority_class, self.config.gateway.queue_timeout_s, limits.request_timeout_s)
-        max_wait = min(model.admission.max_wait_s or math.inf, deadline)
+        rank = self.config.flow_control.rank(ctx.priority_class)
+        deadline = self.config.flow_control.max_wait_s(ctx.priority_class, self.config.gateway.queue_timeout_s,
+                                                       self.config.gateway.limits.request_timeout_s)
+        max_wait = self._max_wait(model, ctx.priority_class)
         # A batch (embedding inputs, completion prompts, choices) is that many engine requests' worth of work.
         weight = gate.admitted_weight(capacity, ctx.parsed.engine_requests)
         needed = queue.ahead_of(rank)
         caller, ticket = ctx.caller, ctx.ticket
         tenant = caller.name if caller is not None else ""
-        digest = getattr(request.state, "body_digest", None)
-        retry_key = (tenant, digest) if digest is not None else None  # its retry finds the place a refusal keeps
         retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed, retry_key)
         if retry_after is not None:
-            ops_metrics.rejection(model.name, "queue_full")
             tel.refused("queue_full")
-            wait = gate.expected_wait_s(capacity, rank, needed)
-            about = f" (about {wait:.0f}s of waiting)" if wait else ""
-            raise ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity, rank)} requests are "
-                           f"already waiting for a replica (priority class {ctx.priority_class!r} or more urgent)"
-                           f"{about}; retry in {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
+            raise self._queue_full(model, ctx.priority_class, rank, retry_after)
         end.hold(gate, weight, rank)
         tel.admitted()
         wait = deadline
@@ -246,7 +305,7 @@ class Forwarder:
         prompt = body.get("messages", body.get("prompt", body.get("input")))
         return json.dumps(prompt)[:4096]
 
-    def _versions_for(self, ctx: RequestContext, request: Request | None, skip_unavailable: bool = True) -> list[str]:
+    def _versions_for(self, ctx: RequestContext, skip_unavailable: bool = True) -> list[str]:
         """The version this request goes to under the live weights (a conversation keeps its version),
         then the other versions taking traffic, as fallbacks should it fail before its first byte.
         Versions whose every replica is out (breakers open) are left out."""
@@ -293,12 +352,12 @@ class Forwarder:
                 end.settle(served(head.status))
                 body = head.body if head.status < 400 else ctx.endpoint.wire.error_body(head.body, head.status)
                 return JSONResponse(body, status_code=head.status, headers=headers)
-            chunks = StreamFilter(ctx.parsed, ctx.usage, tel.token)
-            if started.first_chunk is not None:  # timed on arrival, not when the relay sends it
-                started.first_chunk = chunks.chunk(started.first_chunk)
+            account = StreamAccount(ctx.usage, tel.token)
+            # Timed on arrival, not when the relay sends it.
+            first = account.take(started.first_chunk) if started.first_chunk is not None else None
             reply.drains, reply.on_release = self.state.drains(model), started.close_inbox
             end.attach(reply)
-            return StreamingResponse(relay(started, end, chunks, self.config.gateway.limits),
+            return StreamingResponse(relay(started, end, account, first, self.config.gateway.limits),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         raise AssertionError("no version to send to")  # forward never passes an empty list
@@ -348,6 +407,13 @@ def _session(request: Request | None, body: dict[str, Any]) -> str | None:
     header = request.headers.get(SESSION_HEADER) if request is not None else None
     user = body.get("user")
     return header or (user if isinstance(user, str) and user else None)
+
+
+def _retry_key(request: Request, caller: Caller | None) -> tuple[str, bytes] | None:
+    """Who asks for what (the caller, the body's digest): a refused request's retry finds the place its
+    refusal keeps by it."""
+    digest = getattr(request.state, "body_digest", None)
+    return (caller.name if caller is not None else "", digest) if digest is not None else None
 
 
 def _request_id() -> str:

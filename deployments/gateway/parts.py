@@ -40,6 +40,7 @@ class GatewayParts:
     servers: dict[str, dict[str, Any]]  # model -> version -> ModelServer deployment handle
     created: int  # when this gateway started (the model cards' `created`)
     usage: UsageWriter | None = None  # the usage ledger's writer; None: usage.enabled is false
+    batch: Any = None  # the BatchService deployment's handle (files); None: batch.enabled is false
 
 
 async def parts() -> GatewayParts:

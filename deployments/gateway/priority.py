@@ -30,11 +30,31 @@ class PriorityClasses:
     def resolve(self, caller: Caller, parsed: ParsedRequest, headers: Mapping[str, str]) -> str:
         """The request's class; ApiError 400 (unknown, or two that disagree, or vLLM's own `priority`) or 403
         (not this key's)."""
-        if getattr(parsed.typed, "priority", 0):  # the engine's order is the platform's to set, from the class
-            raise ApiError(400, "`priority` is not accepted here; ask for a priority class with `service_tier` or "
-                           f"the {PRIORITY_HEADER} header (classes: {', '.join(self.names)})", param="priority",
-                           code="priority_not_allowed")
-        asked = self._asked(parsed, headers)
+        tier = getattr(parsed.typed, "service_tier", None) if "service_tier" in parsed.body else None
+        return self._resolve(caller, getattr(parsed.typed, "priority", 0), tier, headers)
+
+    def for_batch(self, parsed: ParsedRequest) -> str:
+        """A batch line's class: the least urgent, whatever its body asks (a batch runs on capacity nobody
+        else wants: OpenAI's Batch API ignores `service_tier` too). vLLM's own `priority` is a 400 as at the door."""
+        self._no_engine_priority(getattr(parsed.typed, "priority", 0))
+        return self.names[-1]
+
+    def early(self, caller: Caller, body: Mapping[str, object], headers: Mapping[str, str]) -> str | None:
+        """The class `resolve` will give a request, read from its raw JSON before the body is parsed (the
+        door refuses a full model's requests before parsing them), or None where only the parsed request
+        can tell (a `priority` or a `service_tier` that is not a plain string) or the request will be
+        refused for its class anyway."""
+        tier = body.get("service_tier")
+        if body.get("priority") or not (tier is None or isinstance(tier, str)):
+            return None
+        try:
+            return self._resolve(caller, 0, tier, headers)
+        except ApiError:
+            return None
+
+    def _resolve(self, caller: Caller, priority: object, tier: object, headers: Mapping[str, str]) -> str:
+        self._no_engine_priority(priority)
+        asked = self._asked(tier, headers)
         key = caller.config
         default = key.priority_class if key is not None and key.priority_class else self.flow.default_class
         if asked is None or asked == default:
@@ -48,14 +68,19 @@ class PriorityClasses:
                            f"{', '.join(allowed)}", param="service_tier", code="priority_class_not_allowed")
         return asked
 
-    def _asked(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> str | None:
+    def _no_engine_priority(self, priority: object) -> None:
+        if priority:  # the engine's order is the platform's to set, from the class
+            raise ApiError(400, "`priority` is not accepted here; ask for a priority class with `service_tier` or "
+                           f"the {PRIORITY_HEADER} header (classes: {', '.join(self.names)})", param="priority",
+                           code="priority_not_allowed")
+
+    def _asked(self, tier: object, headers: Mapping[str, str]) -> str | None:
         by_header = headers.get(PRIORITY_HEADER)
         if by_header is not None:
             by_header = by_header.strip()
             if by_header not in self.names:
                 raise ApiError(400, f"{PRIORITY_HEADER}: {by_header[:64]!r} is not a priority class; classes: "
                                f"{', '.join(self.names)}", code="unknown_priority_class")
-        tier = getattr(parsed.typed, "service_tier", None) if "service_tier" in parsed.body else None
         by_tier = None
         if tier is not None:
             by_tier = self.flow.service_tiers.get(str(tier))

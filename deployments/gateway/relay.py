@@ -1,4 +1,8 @@
-"""The stream relay: SSE chunks from the replica to the client, and how a started stream ends.
+"""The stream relay: the replica's chunks to the client, as bytes, and how a started stream ends.
+
+The chunks are written as the replica sent them, never parsed (their usage comes beside them:
+shunter.deployments.gateway.stream_account); those already waiting in a stream's inbox when the client's
+connection is free go out in one write.
 
 Once the first byte has gone to the client there is no failing over: a replica that breaks or goes
 silent mid-stream, a stream still running when its leaving replica's drain timeout is up, and a stream
@@ -25,15 +29,17 @@ from shunter.deployments.gateway.replica_stream import (
     next_item,
 )
 from shunter.deployments.gateway.request_end import RequestEnd
-from shunter.deployments.gateway.stream_filter import StreamFilter
+from shunter.deployments.gateway.stream_account import StreamAccount
 from shunter.engine import REQUEST_FAULT_CODE
-from shunter.replica_protocol import Moved
+from shunter.replica_protocol import Moved, StreamChunk
 
 log = logging.getLogger("ray.serve")
 
 
-async def relay(started: Started, end: RequestEnd, chunks: StreamFilter, limits: LimitsConfig) -> AsyncIterator[str]:
-    """The client's stream; see the module docstring. Settles the request once, with the stream's outcome."""
+async def relay(started: Started, end: RequestEnd, account: StreamAccount, first: str | None,
+                limits: LimitsConfig) -> AsyncIterator[str]:
+    """The client's stream, from its first chunk's bytes (`first`, already taken into `account`); see the
+    module docstring. Settles the request once, with the stream's outcome."""
     ctx = end.ctx
     model, wire = ctx.model, ctx.endpoint.wire
     stream, replica, timeout = started.stream, started.replica, model.routing.replica_timeout_s
@@ -43,28 +49,32 @@ async def relay(started: Started, end: RequestEnd, chunks: StreamFilter, limits:
     # The client left (the generator closed at a yield) unless the stream reached one of the endings below.
     outcome = Outcome(Ending.CLIENT_GONE, CLIENT_GONE, finished=False)
     try:
-        if started.first_chunk is not None:
-            yield started.first_chunk
-        while True:
-            if inbox is None:
+        if first is not None:
+            yield first
+        held = None  # an item read while gathering the waiting chunks, not yet handled
+        while not account.ended:
+            if held is not None:
+                item, held = held, None
+            elif inbox is None:
                 try:
-                    chunk = await next_item(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
+                    item = await next_item(stream, model, routing, replica, deadline, limits.stream_idle_timeout_s)
                 except StopAsyncIteration:
                     break
-                if isinstance(chunk, Moved) and started.inbox is not None:
+                if isinstance(item, Moved) and started.inbox is not None:
                     inbox, ray_end = started.inbox, _watch_end(stream, started.inbox)
                     continue
             else:
-                chunk = await next_chunk(inbox, model, routing, replica, deadline, limits.stream_idle_timeout_s)
-                if chunk is None:  # the channel's end mark
-                    break
-                if isinstance(chunk, _RayEnded):
-                    chunk.check()  # raises the replica's failure; a call that ended cleanly: the end mark follows
-                    continue
-            text = chunks.chunk(chunk)
-            if text is not None:
-                yield text
-        broke = engine_failure(chunks.in_band_error)
+                item = await next_chunk(inbox, model, routing, replica, deadline, limits.stream_idle_timeout_s)
+            if isinstance(item, _RayEnded):
+                item.check()  # raises the replica's failure; a call that ended cleanly: the StreamEnd follows
+                continue
+            text = account.take(item)
+            if text is None:
+                break
+            if inbox is not None and not inbox.empty():
+                text, held = _with_waiting(text, inbox, account)
+            yield text
+        broke = engine_failure(account.in_band_error)
         if broke is not None:  # vLLM ends a stream whose engine failed with an error event and [DONE]
             log.warning("model %s: stream from replica %s carried an engine error: %s", model.name, replica, broke)
             outcome = Outcome(Ending.ENGINE_ERROR, STREAM_ERROR, why=f"engine error mid-stream: {broke}")
@@ -95,6 +105,18 @@ async def relay(started: Started, end: RequestEnd, chunks: StreamFilter, limits:
         if ray_end is not None and not ray_end.done() and not outcome.finished:
             ray_end.cancel()  # a stream that ended leaves its Ray call to return by itself: no cancellation
         end.settle(outcome)  # cancels the replica's work unless it finished by itself
+
+
+def _with_waiting(text: str, inbox: asyncio.Queue, account: StreamAccount) -> tuple[str, Any]:
+    """`text` and the chunks already waiting behind it, for one write; and the first waiting item that
+    is not a chunk (the stream's end, the Ray call's), for the relay to handle next, or None."""
+    parts = [text]
+    while not inbox.empty():
+        item = inbox.get_nowait()
+        if not isinstance(item, StreamChunk):
+            return "".join(parts), item
+        parts.append(account.chunk(item))
+    return "".join(parts), None
 
 
 class _RayEnded:

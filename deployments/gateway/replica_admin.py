@@ -53,6 +53,17 @@ class ReplicaAdmin:
             for version, handle in self.servers[model.name].items():
                 self.routing(model, version).set_cordoned(cordoned(state, handle.deployment_name))
 
+    def apply_serving(self, serving_sets: dict[str, dict[str, frozenset[str]]], models: list[ModelConfig]) -> None:
+        """Hand the autoscaling policy's serving sets (`shunter.ops.standby`) to this process's routers, for
+        the models that keep standby replicas (called on every refresh)."""
+        for model in models:
+            if not model.standby_replicas:
+                continue
+            for version, handle in self.servers[model.name].items():
+                entry = serving_sets.get(handle.deployment_name)
+                if entry is not None:
+                    self.routing(model, version).set_serving(entry["serving"], entry["standby"])
+
     async def replicas(self, model: ModelConfig) -> list[dict[str, Any]]:
         """Every running replica of the model's versions as this gateway sees it."""
         rows = []
@@ -60,6 +71,7 @@ class ReplicaAdmin:
             routing = await self._known(model, version)
             for replica in sorted(routing.replicas):
                 rows.append({"replica": replica, "version": version, "cordoned": replica in routing.cordoned,
+                             "standby": replica in routing.standby,
                              "in_flight_here": routing.load(replica),
                              "breaker": routing.breakers.state(replica).value,
                              "failures": routing.breakers.failures.get(replica, 0)})
@@ -112,7 +124,7 @@ class ReplicaAdmin:
         """The version's routing state, its replica set learnt: a router learns it on its first call.
         A version that does not run, or may be at zero replicas, is not called: that would start one."""
         routing = self.routing(model, version)
-        may_be_idle = model.autoscaling is not None and model.autoscaling.min_replicas == 0
+        may_be_idle = model.fewest_replicas == 0  # min_replicas 0 and no standby replica
         if not routing.synced and version in self.traffic.view(model).live and not may_be_idle:
             try:
                 await asyncio.wait_for(self.servers[model.name][version].ready.remote(), _CALL_TIMEOUT_S)

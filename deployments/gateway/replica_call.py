@@ -47,7 +47,7 @@ class Started:
     replica: str
     head: ReplyHead
     stream: Any
-    first_chunk: str | None
+    first_chunk: Any  # a StreamChunk (or the StreamEnd of a stream with no chunk), or None
     routing_id: str  # this attempt's id in the routing state (each attempt has its own)
     inbox: asyncio.Queue | None = None  # the stream's chunks once it moves to the token channel
     channels: GatewayChannels | None = None

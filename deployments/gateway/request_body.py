@@ -78,12 +78,17 @@ class BodyReader:
                                param=where or None, code="invalid_encoding")
         return body
 
-    async def _read(self, request: Request) -> bytes:
+    async def read_bytes(self, request: Request, limit: int, timeout_s: float) -> bytes:
+        """A body that is not JSON (an upload), within its own `limit` and `timeout_s`, read as `_read` reads."""
+        return await self._read(request, limit, timeout_s)
+
+    async def _read(self, request: Request, limit: int | None = None, timeout_s: float | None = None) -> bytes:
         """The body, within max_body_bytes (413) and body_timeout_s (408). A body still arriving after
         FAST_BODY_S needs one of `max_body_reads` upload slots, or is refused at once (503): a request
         holds one of this replica's `max_ongoing_requests` slots while its body arrives, and without this
         bound a client trickling bodies over many connections would hold them all."""
-        limit, timeout = self.limit, self.timeout_s
+        limit = self.limit if limit is None else limit
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}",

@@ -86,18 +86,20 @@ class ServingState:
         for version in self.traffic.serving(model):
             routing = self.routing(model, version)
             if routing.synced:
-                replicas += len(routing.replicas)
-                if self._routable.get((model.name, version)) != len(routing.replicas):
-                    self._routable[(model.name, version)] = len(routing.replicas)
-                    replicas_routable(model.name, version, len(routing.replicas))
+                routable = routing.routable()  # warm standby replicas take nothing while another can
+                replicas += routable
+                if self._routable.get((model.name, version)) != routable:
+                    self._routable[(model.name, version)] = routable
+                    replicas_routable(model.name, version, routable)
             else:
                 replicas += model.autoscaling.min_replicas if model.autoscaling else model.replicas
         return replicas
 
     @staticmethod
     def scaled_to_zero(model: ModelConfig, routing: DeploymentRouting) -> bool:
-        """The model may scale to zero and this gateway knows of no running replica."""
-        return model.autoscaling is not None and model.autoscaling.min_replicas == 0 and not routing.replicas
+        """The model may scale to zero (min_replicas 0 and no standby replica kept warm) and this gateway
+        knows of no running replica."""
+        return model.fewest_replicas == 0 and not routing.replicas
 
 
 def all_replicas_out(model: ModelConfig, routing: DeploymentRouting) -> ApiError:

@@ -9,7 +9,7 @@ were relayed, and how it ended; it records:
 - TTFT (arrival to first token chunk, or to the whole reply when not streamed), inter-token gaps and
   end-to-end latency, as histograms with LLM-sized buckets (`shunter.metric_catalog`);
 - prompt and completion tokens, as the request's `Usage` counted them (shunter.deployments.gateway.context:
-  the engine's usage of a whole reply, a stream's running usage read by the stream filter, a whole reply's
+  the engine's usage of a whole reply, a stream's running usage the replica counted beside its chunks, a whole reply's
   last heartbeat when its client left first);
 - per-process gauges of requests in flight per version and waiting for a replica per model;
 - flow control (issue 38), by model, priority class and tenant (the key's name; "" without keys): the
@@ -21,9 +21,9 @@ were relayed, and how it ended; it records:
   (the span carries `shunter.adapter`).
 
 The metrics are process-local Ray metrics: each gateway replica exports its own series, and dashboards
-sum them. Metrics and spans never break a request: every recording call swallows its own failure. Reading the
-client's stream (usage, in-band errors, which chunks the client asked for) is shunter.deployments.gateway.
-stream_filter's; this module only times the token chunks it is told of.
+sum them. Metrics and spans never break a request: every recording call swallows its own failure. A stream's
+usage and in-band error come beside its chunks (shunter.deployments.gateway.stream_account); this module only
+times the chunks that brought tokens, as it is told of them.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class RequestTelemetry:
         self.span.set_attributes({"shunter.version": self.ctx.version, "shunter.replica": self.replica or ""})
 
     def token(self, now: float) -> None:
-        """A token chunk reached the client (told by the stream filter): TTFT and the inter-token gaps."""
+        """A chunk that brought tokens arrived (told by the stream account): TTFT and the inter-token gaps."""
         self.streamed = True
         if self.first_token_at is None:
             self.first_token_at = now

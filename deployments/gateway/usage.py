@@ -171,16 +171,19 @@ def usage_record(end: EndedRequest, outcome: Outcome, now: Callable[[], float] =
     ctx = end.ctx
     usage = ctx.usage
     charged = getattr(ctx.ticket, "charged", None) if ctx.ticket is not None else None
+    dispatched = end.turn is not None or end.reply is not None
     if charged is not None:
         prompt, completion = charged
-    elif end.turn is not None or end.reply is not None:
+    elif dispatched:
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
     else:
         prompt = completion = 0
     cached = min(usage.cached_tokens or 0, prompt)
     caller = ctx.caller
     return UsageRecord(
-        request_id=ctx.routing_id, at=now(),
+        # A batch line's run is recorded under the line's id (one record however often it ran); a try refused
+        # before any replica took it, under its own (the ledger keeps the first record of an id).
+        request_id=ctx.ledger_id if ctx.ledger_id and dispatched else ctx.routing_id, at=now(),
         key_name=caller.name if caller is not None else PLATFORM_KEY,
         key_id=caller.key_id if caller is not None else PLATFORM_KEY,
         model=ctx.model.name, adapter=ctx.adapter.name if ctx.adapter is not None else "",

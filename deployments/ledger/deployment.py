@@ -22,13 +22,17 @@ from shunter.usage_ledger import LedgerStore, UsageRecord
 log = logging.getLogger("ray.serve")
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has it (ray._common.constants)
-LEDGER_OPTIONS: dict[str, Any] = {
-    "name": "usage_ledger",
-    "num_replicas": 1,
-    "ray_actor_options": {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
-    # Every gateway's flush and every /admin/usage call at once; each is short.
-    "max_ongoing_requests": 256,
-}
+
+
+def head_node_options(name: str, max_ongoing_requests: int) -> dict[str, Any]:
+    """Serve options of a one-replica deployment that owns files on the head node and reserves no CPU."""
+    return {"name": name, "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+            "max_ongoing_requests": max_ongoing_requests}
+
+
+# Every gateway's flush and every /admin/usage call at once; each is short.
+LEDGER_OPTIONS = head_node_options("usage_ledger", 256)
 
 
 @serve.deployment

@@ -14,9 +14,11 @@ It yields, in order:
    computed: each says what the reply has produced so far, counted by shunter.engine_usage, so a client
    that leaves first is charged that; the gateway then cancels this call, which cancels the work, and vLLM
    aborts its engine requests);
-3. if the reply streams, its SSE text chunks; after the first, when the request names the gateway's
-   token channel and that gateway is listening, `Moved` and the rest over the channel
-   (`shunter.deployments.token_channel`), the Ray call ending with the stream.
+3. if the reply streams, its chunks (`StreamChunk`: vLLM's own bytes with the tokens produced so far,
+   shunter.deployments.replica.stream_reader) and then its `StreamEnd` (the final usage, an in-band
+   error); after the first chunk, when the request names the gateway's token channel and that gateway is
+   listening, `Moved` and the rest over the channel (`shunter.deployments.token_channel`), the Ray call
+   ending with the stream.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import ray
 from ray import serve
 
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
-from shunter.deployments.replica.telemetry import EngineMetrics, traced
+from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body
+from shunter.deployments.replica.telemetry import EngineMetrics, record_start, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.endpoints import ENDPOINTS, Endpoint
 from shunter.engine import RequestFault
@@ -42,13 +45,23 @@ from shunter.engine_usage import Tally, request_tally
 from shunter.errors import error_body
 from shunter.kv_events import prompt_observer
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
-from shunter.replica_protocol import Accepted, Moved, ReplicaRequest, ReplyHead, RouteHint, Working
+from shunter.replica_protocol import (
+    Accepted,
+    Moved,
+    ReplicaRequest,
+    ReplyHead,
+    RouteHint,
+    StreamChunk,
+    StreamEnd,
+    Working,
+)
 from shunter.routing.prefix import prefix_key, render_prompt
 from shunter.tracing import correlate_logs, setup_tracing
 
 log = logging.getLogger("ray.serve")
 
 _PROGRESS_S = 1.0  # how often a whole reply's heartbeat may report its tokens (when they changed)
+_ENGINE_WATCH_S = 0.5  # how often the replica looks whether its engine is still alive
 
 
 class ModelServer:
@@ -67,6 +80,16 @@ class ModelServer:
         """`model` is the model as this version serves it (`ModelConfig.for_version`). `engine_factory`
         ("module:callable", same signature as VLLMEngine.start, starting a `shunter.engine_protocol.ServingEngine`)
         is a test seam for fault-injecting fake engines; production apps always run vLLM."""
+        import psutil
+
+        from shunter.engine import PhaseClock
+
+        clock = PhaseClock(since=psutil.Process().create_time())
+        clock.mark("process")
+        if accelerator == "cpu" and model.get("engine", {}).get("process_start", "auto") != "spawn":
+            from shunter.engine_forkserver import node_server
+
+            node_server()  # the first replica on a node: the server's imports run beside this replica's
         from shunter.catalog import resolve_source
         from shunter.cpu_cores import claim_cores, node_cores
         from shunter.deployments.replica.placement import engine_group
@@ -87,12 +110,6 @@ class ModelServer:
         env: dict[str, str] = {}
         engine = self.model.engine
         layout = EngineLayout(engine.tensor_parallel_size, engine.pipeline_parallel_size, self.model.accelerator_type)
-        if accelerator == "cpu":
-            # The engine's threads own their cores; the gateway and HAProxy beside them must still get a
-            # turn. Set before the engine starts: its processes inherit it.
-            yield_cpu_to_platform(engine.cpu_nice)
-            log.info("model %s replica %s (pid %d): niceness %d (engine.cpu_nice)", self.model.name,
-                     self.replica_id, os.getpid(), engine.cpu_nice)
         if accelerator == "cpu" and cpu_cores == 0:  # shared: no cores of its own (one rank, checked)
             env = cpu_engine_env(engine.cpu_kv_cache_gib, ",".join(str(c) for c in node_cores()))
             log.info("model %s replica %s (pid %d): engine on the node's shared cores (VLLM_CPU_OMP_THREADS_BIND=%s)",
@@ -110,23 +127,55 @@ class ModelServer:
         try:
             if accelerator == "gpu":
                 self._group = await engine_group(layout, f"{self.model.name}/{version}/{self.replica_id}")
-            path = resolve_source(self.model.source, cache_dir, progress=False)
+            # Off the event loop: a builtin model is prepared once, a remote one copied once per node.
+            path = await asyncio.to_thread(resolve_source, self.model.source, cache_dir, False,
+                                           engine.extra_engine_args.get("load_format"))
             spec = EngineSpec(self.model.name, path, self.model.task, self.model.engine, accelerator,
                               self._group.placement_group if self._group else None, self.model.serving,
                               self.model.lora, tuple((a.name, a.source) for a in self.model.adapters),
                               prefix_events=self.model.precise_prefix_routing)
+            clock.mark("replica_setup")
             # Called through its declared interface only: one that lacks a member is refused here, by name.
             self.engine: ServingEngine = require_engine(await start(spec, env))
-            if accelerator == "cpu":
-                yield_cpu_to_platform(engine.cpu_nice)  # the processes its fork server made
+            clock.add(self.engine.start_phases or {})
             await self.engine.warmup()
+            clock.mark("warmup")
+            if accelerator == "cpu":
+                # The engine's threads own their cores; the gateway and HAProxy beside them must still get
+                # a turn. Only once it is ready: it starts at the platform's own priority, so a replica
+                # started under load is not starved by the load (shunter.engine.yield_cpu_to_platform).
+                engine_pids = self.engine.process_ids()
+                yield_cpu_to_platform(engine.cpu_nice, engine_pids)
+                log.info("model %s replica %s (pid %d): engine processes %s at niceness %d (engine.cpu_nice)",
+                         self.model.name, self.replica_id, os.getpid(), engine_pids, engine.cpu_nice)
         except BaseException:
             self._release_devices()
             raise
+        # When the process started, when it was ready, and each phase between (shunter.engine.START_PHASES).
+        self.start_record = {"process_started_at": clock.started, "ready_at": time.time(), "phases": clock.phases}
+        record_start(clock, {"model": self.model.name, "version": version}, self.replica_id)
         log.info("model %s version %s replica %s ready (answered a real %s)", self.model.name, version,
                  self.replica_id, "embedding" if self.model.task == "embed" else "generation")
         self._metrics_task = asyncio.get_running_loop().create_task(
             EngineMetrics(self.engine, self.model.name, version, self.replica_id).run())
+        self._engine_watch = asyncio.get_running_loop().create_task(self._exit_when_the_engine_dies())
+
+    async def _exit_when_the_engine_dies(self) -> None:
+        """A replica whose engine died can serve nothing again, so it ends at once, as vLLM's own server
+        does: Serve replaces it on its next control loop, not after three failed health checks (4-6 s)
+        and a graceful stop (measured by `shunter bench coldstart`, engine core killed). Every request it
+        held had already failed with the engine; the gateway retries those not yet answered elsewhere."""
+        while True:
+            await asyncio.sleep(_ENGINE_WATCH_S)
+            try:
+                await self.engine.check_health()
+            except Exception as exc:  # noqa: BLE001 - whatever the engine's death looks like
+                log.error("model %s replica %s: its engine died (%s); the replica exits so that Serve "
+                          "replaces it now", self.model.name, self.replica_id, exc)
+                for handler in logging.getLogger("ray.serve").handlers:
+                    handler.flush()
+                self._release_devices()
+                os._exit(1)
 
     async def handle(self, request: ReplicaRequest) -> AsyncIterator[Any]:
         """Serve one request: yields Accepted, the reply head, then SSE chunks if the reply streams."""
@@ -153,7 +202,9 @@ class ModelServer:
         # client left), the work is cancelled and vLLM aborts its engine requests.
         linking = self._link_prefix(request)  # the task takes the observer with the context it copies
         produced = self.engine.produced
-        tally = Tally() if produced is not None and body.get("stream") is not True else None
+        streams = body.get("stream") is True
+        body, usage_chunk_wanted = engine_stream_body(body, endpoint.wire)
+        tally = Tally() if produced is not None else None  # a stream's running usage too
         counting = request_tally.set(tally)  # so does the tally
         work = asyncio.ensure_future(endpoint.engine_call(self.engine, body))
         request_tally.reset(counting)
@@ -161,14 +212,14 @@ class ModelServer:
             prompt_observer.reset(linking)
         progress = self.engine.progress
         seen, reported, said_at = progress() if progress else None, None, time.monotonic()
-        tick = min(self._heartbeat_s, _PROGRESS_S) if tally is not None else self._heartbeat_s
+        tick = min(self._heartbeat_s, _PROGRESS_S) if tally is not None and not streams else self._heartbeat_s
         try:
             while not (await asyncio.wait({work}, timeout=tick))[0]:
                 now = progress() if progress else None
                 if now == seen and progress is not None:
                     continue  # no progress: silence
                 seen = now
-                if tally is None:
+                if tally is None or streams:  # a stream's running usage comes with its chunks
                     yield Working()
                     continue
                 try:
@@ -193,11 +244,17 @@ class ModelServer:
             engine_name = name = None
             if renamed:  # an adapter's other version under rollout: the client sees the adapter's name
                 engine_name, name = f'"model":"{route.engine_name}"', f'"model":"{route.name}"'  # type: ignore[union-attr]
+            counts = (lambda: produced(tally)) if tally is not None and produced is not None else None
+            reader = StreamReader(endpoint.wire, counts, usage_chunk_wanted)
             async for chunk in reply.stream:
                 if isinstance(chunk, RequestFault):  # the request broke vLLM's layer mid-stream: its own error
-                    yield endpoint.wire.error_event(chunk.message, chunk.status, chunk.code)
-                    return
-                yield chunk.replace(engine_name, name) if engine_name and isinstance(chunk, str) else chunk
+                    yield reader.fault(endpoint.wire.error_event(chunk.message, chunk.status, chunk.code),
+                                       error_body(chunk.message, chunk.status, code=chunk.code)["error"])
+                    break
+                item = reader.chunk(chunk.replace(engine_name, name) if engine_name else chunk)
+                if item is not None:
+                    yield item
+            yield reader.end()
 
     def _link_prefix(self, request: ReplicaRequest) -> Any:
         """Precise prefix routing: once the engine has the request's prompt tokens, link the router's keys
@@ -214,14 +271,14 @@ class ModelServer:
             lambda tokens, lora: view.link(key.keys, key.chars, key.chunk_chars, tokens, lora, salt))
 
     async def _relay(self, items: AsyncIterator[Any], request: ReplicaRequest) -> AsyncIterator[Any]:
-        """The reply's items on Ray, but a stream's chunks after the first over the gateway's token
-        channel once that gateway listens there."""
+        """The reply's items on Ray, but a stream's chunks after the first, and its end, over the gateway's
+        token channel once that gateway listens there."""
         gateway, moved, chunks = request.channel, False, 0
         async for item in items:
             if moved:
                 self._channel.send(gateway, request.request_id, item)
                 continue
-            if isinstance(item, str):  # an SSE chunk (the other items are Accepted, the head, Working)
+            if isinstance(item, StreamChunk | StreamEnd):  # the other items: Accepted, the head, Working
                 if chunks and gateway is not None and self._channel.ready(gateway):
                     yield Moved()
                     moved = True
@@ -229,8 +286,6 @@ class ModelServer:
                     continue
                 chunks += 1
             yield item
-        if moved:
-            self._channel.send(gateway, request.request_id, None)
 
     async def _within_limits(self, endpoint: Endpoint, request: ReplicaRequest) \
             -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -271,6 +326,8 @@ class ModelServer:
             "version": self.version,
             "replica": self.replica_id,
             "pid": os.getpid(),
+            "engine_pids": self.engine.process_ids(),
+            "start": self.start_record,
             "cpu_cores": self._cores.cores if self._cores else None,
             "placement": self._group.describe() if self._group else None,
             "max_model_len": self.engine.max_model_len(),
@@ -297,11 +354,14 @@ class ModelServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray every `routing.stats_period_s`; the router bounds its picture of this replica's
-        cache by the real KV capacity."""
+        cache by the real KV capacity. Only what the routers read: Serve's controller broadcasts every
+        replica's stats to every router in every gateway process whenever they differ from the last
+        poll's, and each broadcast costs each router a rebuild of its replica set. A count of running
+        requests was sent too, read by nobody: under load it changed at every poll, so every poll was a
+        broadcast (in a 256-stream burst, handling broadcasts took 8% of the gateway's CPU)."""
         return {
             "kv_cache_blocks": self.engine.kv_cache_blocks(),
             "block_size": self.engine.block_size(),
-            "unfinished_requests": self.engine.num_unfinished_requests(),
             **_adapter_stats(self.engine),
             **(view.report() if (view := self.engine.prefix_view) is not None else {}),
         }
@@ -329,9 +389,10 @@ class ModelServer:
                                    f"({busy} request(s) unfinished)")
 
     def __del__(self) -> None:
-        task = getattr(self, "_metrics_task", None)
-        if task is not None:
-            task.cancel()
+        for name in ("_metrics_task", "_engine_watch"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         channel = getattr(self, "_channel", None)
         if channel is not None:
             channel.close()

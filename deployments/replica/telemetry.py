@@ -33,8 +33,32 @@ _NAMES = ("shunter_engine_kv_cache_usage_ratio", "shunter_engine_prefix_cache_qu
           "shunter_engine_prefix_cache_hits_total", "shunter_engine_requests_running",
           "shunter_engine_requests_waiting", "shunter_adapter_loads_total", "shunter_adapter_load_seconds_total",
           "shunter_adapters_held", "shunter_prefix_view_blocks", "shunter_prefix_view_held_keys",
-          "shunter_kv_event_lag_seconds", "shunter_kv_event_losses_total")
+          "shunter_kv_event_lag_seconds", "shunter_kv_event_losses_total", "shunter_replica_start_seconds")
 _get = LazyMetrics(lambda metrics: build(metrics, _NAMES)).get
+
+
+def record_start(clock: Any, tags: dict[str, str], replica: str) -> None:
+    """A replica's start, phase by phase (shunter.engine.PhaseClock): one histogram observation per phase
+    and one for the total, and a `replica.start` span whose children are the phases, at their real times
+    (the span is made after the fact: tracing may only be set up part way through the start)."""
+    total = sum(clock.phases.values())
+    m = _get()
+    if m:
+        for phase, seconds in [*clock.phases.items(), ("total", total)]:
+            m["shunter_replica_start_seconds"].observe(seconds, tags={**tags, "phase": phase})
+    tracer = tracing.tracer()
+    ns = 1_000_000_000
+    at = clock.started
+    root = tracer.start_span("replica.start", start_time=int(at * ns),
+                             attributes={"shunter.model": tags["model"], "shunter.version": tags["version"],
+                                         "shunter.replica": replica, "shunter.start_seconds": total})
+    with trace.use_span(root, end_on_exit=False):
+        for phase, seconds in clock.phases.items():
+            tracer.start_span(f"replica.start.{phase}", start_time=int(at * ns)).end(end_time=int((at + seconds) * ns))
+            at += seconds
+    root.end(end_time=int(at * ns))
+    log.info("replica %s of %s started in %.1f s: %s", replica, tags["model"], total,
+             ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in clock.phases.items()))
 
 
 class EngineMetrics:

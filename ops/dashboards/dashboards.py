@@ -497,11 +497,27 @@ def flow() -> Json:
                    [Query(rate("shunter_usage_cost_total", MODEL, ("key_name",)), "{{key_name}}")],
                    width=8, stacked=True),
     ))
+    finished, pending = "shunter_batch_lines_finished_total", "shunter_batch_lines_pending"
+    batch_row = Row("Batches (OpenAI's Batch API)", (
+        timeseries("Batch lines/s", "Lines each batch finished per second (completed: answered 200; failed: an "
+                   "error answer, a line that was not a request, or one cancelled or expired). Batches run in "
+                   "the least urgent class: they speed up when interactive traffic leaves room.",
+                   [Query(rate(finished, "", ("batch", "outcome")), "{{batch}} {{outcome}}")],
+                   unit=PER_SECOND, width=8, stacked=True),
+        timeseries("Batch lines to run", "Lines of each running batch still to run (those in the gateways "
+                   "now included); a batch's series ends when it does.",
+                   [Query(gauge_max(pending, "", ("batch",)), "{{batch}}")], width=8),
+        timeseries("Batch ETA", "Each running batch's lines to run over its lines finished per second in the "
+                   "trailing rate window: when it ends at today's pace.",
+                   [Query(f"{gauge_max(pending, '', ('batch',))} / {rate(finished, '', ('batch',))}", "{{batch}}")],
+                   unit=SEC, width=8),
+    ))
     return dashboard(
         uid="shunter-flow", title="Shunter / Flow control",
         description="Priority classes and tenants when the fleet is full: who waits, for how long, who is "
-        "refused and why, and the share of the model each tenant is served.",
-        variables=standard_variables(), rows=(queue_row, refusal_row, share_row))
+        "refused and why, the share of the model each tenant is served, and the batches running on what is "
+        "left.",
+        variables=standard_variables(), rows=(queue_row, refusal_row, share_row, batch_row))
 
 
 # ---- shunter-rollouts ------------------------------------------------------------------------------

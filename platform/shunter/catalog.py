@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shunter.chat_templates import CHATML_TOOLS
+from shunter.object_store import ObjectStoreError, fetch_folder, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,28 @@ def default_cache_dir() -> Path:
     return base / "shunter" / "models"
 
 
-def resolve_source(source: str, cache_dir: str | Path | None = None, progress: bool = True) -> str:
-    """The path or hub id to hand the engine for `source`, preparing a builtin model if needed."""
+# vLLM's loaders that read safetensors straight from an object store (Run:ai's model streamer): a remote
+# source is handed to the engine as it is, nothing copied.
+STREAMING_LOAD_FORMATS = ("runai_streamer", "runai_streamer_sharded")
+
+
+def remote_models_cache(cache_dir: str | Path | None) -> Path:
+    """Where a node keeps its copies of models from object stores: `remote/` in the model cache."""
+    return (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "remote"
+
+
+def resolve_source(source: str, cache_dir: str | Path | None = None, progress: bool = True,
+                   load_format: str | None = None) -> str:
+    """The path, hub id or URI to hand the engine for `source`: a builtin model prepared if needed, a
+    model in an object store copied once into the node's cache (shunter.object_store) unless the engine's
+    `load_format` streams it from there. Blocking: call it off the event loop."""
+    if is_remote(source):
+        if load_format in STREAMING_LOAD_FORMATS:
+            return source
+        try:
+            return str(fetch_folder(source.rstrip("/"), remote_models_cache(cache_dir), "config.json", "a model"))
+        except ObjectStoreError as exc:
+            raise ModelSourceError(str(exc)) from None
     if not source.startswith(BUILTIN_PREFIX):
         expanded = Path(source).expanduser()
         return str(expanded) if expanded.exists() else source

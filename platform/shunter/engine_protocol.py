@@ -26,8 +26,9 @@ None, never for the attribute's presence):
 - `prefix_view`: `shunter.kv_events.EnginePrefixView`, when precise prefix routing follows its KV events;
 - `progress`: `() -> int`, grows while the engine works: a heartbeat reports real progress, so a hung
   engine goes silent (None: every heartbeat says the replica works);
-- `produced`: `(tally) -> (prompt, completion)`, the tokens a whole reply has produced so far
-  (shunter.engine_usage; None: heartbeats carry no counts).
+- `produced`: `(tally) -> (prompt, completion)`, the tokens a reply has produced so far
+  (shunter.engine_usage): a whole reply's heartbeats and a stream's chunks carry them (None: they carry
+  none, and a stream is counted at its final usage alone).
 
 `BaseEngine` gives an engine these optional members' defaults (and `dtype`'s, `kv_cache_blocks`' and
 `block_size`'s): a fake engine subclasses it and writes the required ones.
@@ -84,6 +85,11 @@ class ServingEngine(Protocol):
 
     def num_unfinished_requests(self) -> int: ...
 
+    def process_ids(self) -> list[int]:
+        """The engine's own processes (its core and workers, however they were started); empty when it
+        runs none of its own."""
+        ...
+
     async def prompt_lengths(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """Prompt tokens of each prompt of a request; None (or empty) when the engine cannot render it."""
         ...
@@ -113,6 +119,11 @@ class ServingEngine(Protocol):
     @property
     def produced(self) -> Callable[[Tally], tuple[int, int]] | None: ...
 
+    @property
+    def start_phases(self) -> dict[str, float] | None:
+        """Seconds each step of the engine's start took (shunter.engine.START_PHASES), in order."""
+        ...
+
 
 class BaseEngine:
     """Defaults for `ServingEngine`'s optional members: no counters, no LoRA, no prefix view, no progress
@@ -123,6 +134,7 @@ class BaseEngine:
     prefix_view: EnginePrefixView | None = None
     progress: Callable[[], int] | None = None
     produced: Callable[[Tally], tuple[int, int]] | None = None
+    start_phases: dict[str, float] | None = None
 
     def dtype(self) -> str | None:
         return None
@@ -132,6 +144,9 @@ class BaseEngine:
 
     def block_size(self) -> int:
         return 0
+
+    def process_ids(self) -> list[int]:
+        return []
 
 
 # The members, in declaration order: methods (called as declared) and the optional capabilities.

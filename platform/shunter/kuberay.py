@@ -21,6 +21,7 @@ import posixpath
 from typing import Any
 
 from shunter.auth import open_public_bind
+from shunter.cluster_quiet import quiet_env
 from shunter.config import ShunterConfig
 from shunter.ingress import cluster_env
 from shunter.placement import NodeSpec, ReplicaDemand, declared_nodes, plan_cluster, replica_demands
@@ -54,15 +55,17 @@ def render_rayservice(serve_config: dict[str, Any], apps: list[tuple[str, Shunte
         refusal = open_public_bind("0.0.0.0", cfg.auth)
         if refusal is not None:
             raise ValueError(f"application {app_name!r}: {refusal} (KubeRay's serve service listens on 0.0.0.0)")
-    ledgers = [(app_name, cfg) for app_name, cfg in apps if cfg.usage.enabled]
-    for app_name, cfg in ledgers:
-        problem = _off_the_volume(cfg.usage.path)
+    # What must live on the head pod's volume: the usage ledger's file, and the Files API's state and bytes
+    # where they are on the head node (not in PostgreSQL or an object store).
+    on_volume = [(app_name, field, path) for app_name, cfg in apps for field, path in _head_node_paths(cfg)]
+    for app_name, field, path in on_volume:
+        problem = _off_the_volume(path, field)
         if problem is not None:
             raise ValueError(f"application {app_name!r}: {problem}")
     groups = _worker_groups([cfg for _, cfg in apps], image)
     head = _container("ray-head", image, cpus=4, memory_gib=16, head=True)
     head_spec: dict[str, Any] = {}
-    if ledgers:
+    if on_volume:
         head["volumeMounts"].append({"mountPath": USAGE_MOUNT, "name": "usage"})
         head_spec = {"securityContext": {"fsGroup": RAY_USERS_GID},
                      "volumes": [{"name": "usage", "persistentVolumeClaim": {"claimName": usage_claim_name(name)}}]}
@@ -114,7 +117,7 @@ def _worker_groups(configs: list[ShunterConfig], image: str) -> list[dict[str, A
                     else DEFAULT_CPU_POD_CORES
                 cpu_pods["cores"] = max(cpu_pods["cores"], cores)
                 cpu_pods["most"] += model.most_replicas * model.most_running_versions
-                cpu_pods["least"] += model.autoscaling.min_replicas if model.autoscaling else model.replicas
+                cpu_pods["least"] += model.fewest_replicas
     if most:
         if not gpu_nodes:
             gpu_nodes = _nodes_per_type(most)
@@ -198,8 +201,9 @@ def _container(name: str, image: str, cpus: int, memory_gib: int, gpus: int = 0,
     if head:
         ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
                  {"containerPort": 10001, "name": "client"}, {"containerPort": SERVE_PORT, "name": "serve"}, *ports]
-    # Every Ray process reads Serve's ingress variables: the same on every pod (shunter.ingress).
-    env = [{"name": k, "value": v} for k, v in cluster_env().items()]
+    # Every Ray process reads Serve's ingress and pacing variables: the same on every pod (shunter.ingress,
+    # shunter.cluster_quiet).
+    env = [{"name": k, "value": v} for k, v in {**quiet_env(), **cluster_env()}.items()]
     return {
         "name": name, "image": image, "ports": ports, **({"env": env} if env else {}),
         "resources": {"limits": limits, "requests": dict(limits)},
@@ -219,15 +223,28 @@ def usage_claim_name(name: str) -> str:
     return f"{name}-usage"
 
 
-def _off_the_volume(path: str) -> str | None:
-    """Why a usage.path would not be on the head pod's persistent volume (None: it is). Refused rather than
-    warned about: a ledger off the volume is lost with the pod, silently, which is what it exists to prevent."""
+def _head_node_paths(cfg: ShunterConfig) -> list[tuple[str, str]]:
+    """(field, path) of what an app keeps in files on the head node."""
+    paths = [("usage.path", cfg.usage.path)] if cfg.usage.enabled else []
+    if cfg.batch.enabled:
+        if "://" not in cfg.batch.state:
+            paths.append(("batch.state", cfg.batch.state))
+        if "://" not in cfg.batch.files:
+            paths.append(("batch.files", cfg.batch.files))
+    return paths
+
+
+def _off_the_volume(path: str, field: str = "usage.path") -> str | None:
+    """Why `field`'s path would not be on the head pod's persistent volume (None: it is). Refused rather than
+    warned about: a ledger (or the Files API's state) off the volume is lost with the pod, silently, which is
+    what it exists to prevent."""
     if path.startswith("~") and not (path == "~" or path.startswith("~/")):
-        return f"usage.path {path!r}: only `~` (the ray user's home) can be resolved here, not another user's"
+        return f"{field} {path!r}: only `~` (the ray user's home) can be resolved here, not another user's"
     where = posixpath.normpath(RAY_HOME + path[1:] if path.startswith("~") else path)
     if not where.startswith(USAGE_MOUNT + "/"):
-        return (f"usage.path {path!r} is not on the persistent volume the head pod mounts at {USAGE_MOUNT} (~/.shunter): "
-                "the ledger would be lost with the pod; put it under ~/.shunter/ or set usage.enabled: false")
+        switch = "usage.enabled" if field.startswith("usage") else "batch.enabled"
+        return (f"{field} {path!r} is not on the persistent volume the head pod mounts at {USAGE_MOUNT} (~/.shunter): "
+                f"it would be lost with the pod; put it under ~/.shunter/ or set {switch}: false")
     return None
 
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from shunter.cluster_quiet import quiet_env
 from shunter.ingress import HA_PROXY, direct_ingress_env, direct_ingress_wanted, haproxy_without_splice
 from shunter.ray_compat import init_metrics_port
 
@@ -62,11 +63,13 @@ def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
     own folder and free ports. An ingress replica told to stop keeps serving for
     `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S` so that balancers in front of the HAProxy can take
     it out (Ray's default 30 s); with nothing in front of a one-machine cluster it is 2 s unless set.
-    HAProxy runs without kernel splicing, so that a client's close reaches the gateway (shunter.ingress)."""
+    HAProxy runs without kernel splicing, so that a client's close reaches the gateway (shunter.ingress).
+    Either way, Ray Serve's periodic work runs at Shunter's slower pace (shunter.cluster_quiet)."""
     if not (direct_ingress_wanted() if direct is None else direct):
-        return {HA_PROXY: "0"}
+        return {HA_PROXY: "0", **quiet_env()}
     folder = tempfile.mkdtemp(prefix="shunter-haproxy-")
     return {
+        **quiet_env(),  # Ray Serve's periodic work slowed to what serving needs (shunter.cluster_quiet)
         **direct_ingress_env(),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),

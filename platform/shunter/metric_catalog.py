@@ -28,6 +28,7 @@ RATIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 PREDICTION_ERROR_BUCKETS = (16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
 FLOW_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 DRAIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+START_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -38,7 +39,7 @@ class MetricSpec:
     kind: Kind
     labels: tuple[str, ...]
     description: str
-    source: str  # the process that records it: gateway, router, replica, autoscaler, controller
+    source: str  # the process that records it: gateway, router, replica, autoscaler, controller, batch
     buckets: tuple[float, ...] = ()
 
     @property
@@ -108,6 +109,16 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_usage_records_dropped_total", "counter", (),
                "Usage records a gateway dropped, oldest first, past usage.max_buffered_records while the "
                "ledger was unreachable.", "gateway"),
+    # ---- batches (OpenAI's Batch API), from the head node's BatchService ------------------------------
+    # `batch` is a batch's id (made by the platform, never a client's string); a batch's gauges are dropped
+    # once it ends.
+    MetricSpec("shunter_batch_lines_finished_total", "counter", ("batch", "key_id", "outcome"),
+               "Batch lines that got their result line: outcome completed (answered 200) or failed (an error "
+               "answer, not a request, or not run: cancelled or expired).", "batch"),
+    MetricSpec("shunter_batch_lines_pending", "gauge", ("batch", "key_id"),
+               "Lines of a batch not yet run (running ones included), while it runs.", "batch"),
+    MetricSpec("shunter_batch_lines_running", "gauge", ("batch", "key_id"),
+               "Lines of a batch in the gateways now.", "batch"),
     MetricSpec("shunter_auth_failures_total", "counter", ("reason",),
                "Requests refused at the door: missing_key, malformed_header, invalid_key (401); "
                "model_not_allowed, client_key_on_admin, admin_key_on_api (403).", "gateway"),
@@ -147,6 +158,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_breaker_transitions_total", "counter", (*_MV, "replica", "to"),
                "Circuit breaker state changes per replica.", "router"),
     # ---- engines, from each ModelServer replica -------------------------------------------------
+    MetricSpec("shunter_replica_start_seconds", "histogram", (*_MV, "phase"),
+               "Seconds each phase of a model replica's start took (shunter.engine.START_PHASES: process, replica_setup, "
+               "engine_config, engine_processes, serving_layer, warmup; total: all of them).", "replica",
+               START_BUCKETS),
     MetricSpec("shunter_engine_kv_cache_usage_ratio", "gauge", (*_MV, "replica"),
                "Fraction of the engine's KV-cache blocks in use.", "replica"),
     MetricSpec("shunter_engine_prefix_cache_queries_total", "counter", (*_MV, "replica"),
@@ -186,6 +201,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("shunter_autoscaling_desired_replicas", "gauge", _MV,
                "Replicas the queue-depth policy asks for (0 for a retired version).", "autoscaler"),
     MetricSpec("shunter_autoscaling_running_replicas", "gauge", _MV, "Replicas running when the policy decided.",
+               "autoscaler"),
+    MetricSpec("shunter_autoscaling_standby_replicas", "gauge", _MV,
+               "Warm standby replicas running (routed nothing until the model needs them; standby_replicas).",
                "autoscaler"),
     MetricSpec("shunter_queue_depth", "gauge", _MV,
                "Requests waiting or running in the engines plus queued ahead of the replicas.", "autoscaler"),

@@ -5,9 +5,10 @@ stages; a split the model cannot take fails deep inside the engine, minutes afte
 replica. Shunter reads the model's own `config.json` before anything starts and says what to change.
 
 Where the config comes from, first found wins: a local model dir; a builtin model (its prepared dir, or
-the facts below); the local Hugging Face cache (never the network); the published configs of common hub
-models below. When none has it (a hub model not yet downloaded), the check is left to the engine and
-the planner says so.
+the facts below); an object-store model's copy on this node; the local Hugging Face cache (never the
+network); the published configs of common hub models below. When none has it (a hub model not yet
+downloaded, an object-store model not yet copied here), the check is left to the engine and the planner
+says so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shunter.catalog import BUILTIN_PREFIX
+from shunter.catalog import BUILTIN_PREFIX, remote_models_cache
+from shunter.object_store import is_remote, local_copy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ def model_shape(source: str, cache_dir: str | Path | None = None) -> ModelShape 
         return _published(key)
     if source.startswith("fake:"):  # the tests' fault-injecting engine: no weights, nothing to split
         return None
+    if is_remote(source):  # read from this node's copy, if it has one: planning never reaches the store
+        return _read_dir(local_copy(source.rstrip("/"), remote_models_cache(cache_dir)))
     local = Path(source).expanduser()
     if local.is_dir():
         return _read_dir(local)

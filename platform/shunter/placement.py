@@ -163,8 +163,7 @@ def replica_demands(cfg: ShunterConfig, accelerators: dict[str, str], least: boo
             continue
         layouts = sorted(((v, layout_of(model.for_version(v))) for v in model.version_names()),
                          key=lambda item: -item[1].devices)
-        count = model.most_replicas if not least else (
-            model.autoscaling.min_replicas if model.autoscaling else model.replicas)
+        count = model.most_replicas if not least else model.fewest_replicas
         running = model.most_running_versions if not least else 1
         demands += [ReplicaDemand(model.name, v, layout, count) for v, layout in layouts[:running] if count]
     return demands

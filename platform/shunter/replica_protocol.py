@@ -13,7 +13,7 @@ header) and can bound how long a request waits for any replica to take it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from shunter.endpoints import ENDPOINTS
 
@@ -113,7 +113,28 @@ class ReplyHead:
 @dataclass(frozen=True)
 class Moved:
     """On a reply stream, after its first chunk: the stream's other chunks come over the token channel
-    (each a chunk, then `None` at the end); the Ray call itself ends when the stream does."""
+    (each a `StreamChunk`, then the `StreamEnd`); the Ray call itself ends when the stream does."""
+
+
+class StreamChunk(NamedTuple):
+    """One piece of a streamed reply: the client's bytes exactly as they are to be written (vLLM's own SSE
+    event; the gateway never parses it), and beside it what the request had produced in the engine when it
+    was made, so a stream cut short is charged its real tokens. A tuple: one per token crosses the token
+    channel as a msgpack array and is rebuilt without a constructor's cost."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class StreamEnd(NamedTuple):
+    """The last item of a streamed reply: its final usage as the engine counted it, and the error event
+    it carried inside its 200, if any (vLLM ends a stream whose engine failed with one)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None  # where the engine reports it (prompt_tokens_details)
+    error: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

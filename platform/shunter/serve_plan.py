@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from shunter import worker_fork
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig
 from shunter.cpu_cores import CoreDemand, core_headroom, core_shortfall, cores_per_replica
 from shunter.engine_checks import engine_problems
@@ -67,6 +68,9 @@ def _node_spec(node: dict[str, Any]) -> NodeSpec:
     kinds = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
     return NodeSpec(name=node["NodeID"], gpus=int(resources.get("GPU", 0)), cpus=int(resources.get("CPU", 0)),
                     accelerator_type=kinds[0] if kinds else None)
+
+
+GATEWAY_DEPLOYMENT = "gateway"  # the gateway's deployment name (its handle is found by it: the batch service)
 
 
 def deployment_name(model: ModelConfig, version: str = DEFAULT_VERSION) -> str:
@@ -140,11 +144,14 @@ def _core_demand(model: ModelConfig, versions: dict[str, dict[str, Any]]) -> Cor
                 for p in versions.values())
     if model.autoscaling is None:
         counted = "replicas"
-    elif model.autoscaling.min_replicas == 0:
+    elif model.autoscaling.min_replicas == 0 and not model.standby_replicas:
         counted = "autoscaling starts 1 even at min_replicas 0"
     else:
         counted = "autoscaling.min_replicas"
     most = "autoscaling.max_replicas" if model.autoscaling else "replicas"
+    if model.standby_replicas:
+        counted += " + standby_replicas"
+        most += " + standby_replicas"
     if model.versioned:
         live = [v for v, weight in model.file_weights() if weight > 0]
         counted += f", version{'s' if len(live) > 1 else ''} {', '.join(live)}"
@@ -167,6 +174,9 @@ def _plan_version(model: ModelConfig, version: str, name: str, accel: str, cores
                               f"{tp * pp} engine ranks (tensor_parallel_size {tp} x pipeline_parallel_size "
                               f"{pp}); give at least one core per rank")
         placement: dict[str, Any] = {"ray_actor_options": {"num_cpus": cores}}
+        if served.engine.process_start in ("auto", "fork-server"):
+            # The replica's own process is forked from the node's server too, vLLM already imported in it.
+            placement["ray_actor_options"]["runtime_env"] = {"py_executable": worker_fork.EXECUTABLE}
     else:
         placement = layout_of(served).serve_placement()
     return {
@@ -235,10 +245,13 @@ def replica_count(model: ModelConfig) -> dict[str, Any]:
     """A fixed `num_replicas`, or Ray's autoscaling_config driven by Shunter's queue-depth policy (which
     applies its own delays, so Ray's are zero)."""
     scaling = model.autoscaling
-    if scaling is None:
+    standby = model.standby_replicas
+    if scaling is None and not standby:
         return {"num_replicas": model.replicas}
+    # With standby replicas a fixed count is scaled by the policy too: it names which replicas serve.
+    least, most = (scaling.min_replicas, scaling.max_replicas) if scaling else (model.replicas, model.replicas)
     return {"autoscaling_config": _autoscaling_config(
-        scaling.min_replicas, scaling.max_replicas, max(1, scaling.min_replicas), _policy_kwargs(model))}
+        least + standby, most + standby, max(1, least + standby), _policy_kwargs(model))}
 
 
 def version_replica_count(model: ModelConfig, version: str) -> dict[str, Any]:
@@ -251,7 +264,7 @@ def version_replica_count(model: ModelConfig, version: str) -> dict[str, Any]:
     kwargs = _policy_kwargs(model)
     if model.autoscaling is None:  # a fixed count: the policy holds it while the version is live
         kwargs.update(min_replicas=model.replicas, max_replicas=model.replicas)
-    first = max(1, kwargs["min_replicas"]) if live_at_start else 0
+    first = max(1, kwargs["min_replicas"] + model.standby_replicas) if live_at_start else 0
     kwargs["versioning"] = {"model": model.name, "version": version, "fingerprint": model.fingerprint,
                             "live_at_start": live_at_start}
     return {"autoscaling_config": _autoscaling_config(0, model.most_replicas, first, kwargs)}
@@ -259,12 +272,14 @@ def version_replica_count(model: ModelConfig, version: str) -> dict[str, Any]:
 
 def _policy_kwargs(model: ModelConfig) -> dict[str, Any]:
     scaling = model.autoscaling
+    standby = {"standby_replicas": model.standby_replicas} if model.standby_replicas else {}
     if scaling is None:  # fixed count; the delays never matter since min == max
         return {"model": model.name, "min_replicas": model.replicas, "max_replicas": model.replicas,
-                "target_per_replica": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
+                "target_per_replica": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, **standby}
     return {"model": model.name, "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
             "target_per_replica": scaling.target_queue_per_replica, "upscale_delay_s": scaling.upscale_delay_s,
-            "downscale_delay_s": scaling.downscale_delay_s, "batch_max_replicas": scaling.batch_replicas}
+            "downscale_delay_s": scaling.downscale_delay_s, "batch_max_replicas": scaling.batch_replicas,
+            **standby}
 
 
 def _autoscaling_config(least: int, most: int, initial: int, policy_kwargs: dict[str, Any]) -> dict[str, Any]:

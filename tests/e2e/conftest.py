@@ -51,6 +51,13 @@ def live_app() -> Iterator[LiveApp]:
     _stop_live_app()
 
 
+@pytest.fixture(autouse=True)
+def _shared_app_still_up(request: pytest.FixtureRequest) -> None:
+    """A test of the shared app after another app replaced it would only see Serve's 404s: say why instead."""
+    if "live_app" in request.fixturenames and (request.getfixturevalue("live_app") and not _live_app):
+        pytest.fail("the shared app was stopped before this test: a test sorted before it swapped in its own app")
+
+
 @pytest.fixture(scope="session")
 def exclusive_machine() -> None:
     """For tests that start their own cluster: no app, and no kept cluster, may hold the cores."""
@@ -77,8 +84,22 @@ def routing_live_app(tmp_path_factory) -> Iterator[LiveApp]:
     _routing.close()
 
 
+# The fixtures that swap an app of their own in for the shared one. A test using one must be marked
+# `own_app`, so that it sorts after every test of the shared app: unmarked, it sorted among them
+# (stop 53), stopped the shared app half way, and every later test of either app got Serve's 404.
+_SWAPPING_FIXTURES = ("keyed_app_url", "routing_live_app")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = sorted({item.nodeid.split("::")[0] for item in items
+                       if any(f in getattr(item, "fixturenames", ()) for f in _SWAPPING_FIXTURES)
+                       and not item.get_closest_marker("own_app")})
+    if unmarked:
+        raise pytest.UsageError(f"these use an app of their own and must be marked own_app: {unmarked}")
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    for fixture, stack in (("keyed_app_url", _keyed), ("routing_live_app", _routing)):
+    for fixture, stack in zip(_SWAPPING_FIXTURES, (_keyed, _routing), strict=True):
         if fixture in getattr(item, "fixturenames", ()) and (
                 nextitem is None or fixture not in getattr(nextitem, "fixturenames", ())):
             stack.close()  # the next test deploys an app of its own

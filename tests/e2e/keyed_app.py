@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from shunter.auth import new_key
-from tests.integration.local_app import local_app
+from tests.integration.local_app import local_app, redeploy
 
 from .live import CHAT_MODEL, EMBED_MODEL, wait_ready
 
@@ -45,6 +45,7 @@ ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNT
        "SHUNTER_TEST_KEY_LEDGER_B": LEDGER_B}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
+MAX_FILE_BYTES = 64 * 1024  # batch.max_file_bytes (tests/e2e/test_api_keys_files.py)
 BUDGET_TOKENS_PER_MINUTE = 1000
 PACED_REQUESTS_PER_MINUTE = 4  # 2 per gateway
 METERED_REQUESTS_PER_MINUTE = 60  # 30 per gateway, refilled at one every 2 s
@@ -88,6 +89,9 @@ def args(admin_key_file: Path) -> dict[str, Any]:
         "flow_control": FLOW_CONTROL,
         # A ledger of this app's own, beside the admin key (not ~/.shunter, which outlives the test run).
         "usage": {"path": str(admin_key_file.parent / "usage.sqlite3"), "flush_interval_s": 0.2},
+        # The Files API's records and bytes of this app's own too, and a small file limit to cross.
+        "batch": {"state": str(admin_key_file.parent / "batch.sqlite3"), "files": str(admin_key_file.parent / "files"),
+                  "max_file_bytes": MAX_FILE_BYTES},
         "auth": {
             "keys": [{"name": "full", "key_env": "SHUNTER_TEST_KEY_FULL"},
                      {"name": "chat-only", "key_env": "SHUNTER_TEST_KEY_CHAT", "models": ["smollm2"],
@@ -115,6 +119,22 @@ def args(admin_key_file: Path) -> dict[str, Any]:
     }
 
 
+_running: dict[str, Any] = {}  # the running keyed app's config, and its secrets folder
+
+
+def redeploy_batch(**batch: Any) -> None:
+    """Deploy the running keyed app again with these `batch` settings changed: its gateways and batch
+    service are replaced (their arguments changed), its engines stay."""
+    config = _running["args"]
+    config = _running["args"] = {**config, "batch": {**config["batch"], **batch}}
+    redeploy(config, APP)
+
+
+def usage_ledger() -> Path:
+    """The keyed app's usage ledger (a SQLite file)."""
+    return Path(_running["args"]["usage"]["path"])
+
+
 @contextmanager
 def keyed_app(secrets: Path) -> Iterator[str]:
     key_file = secrets / "admin-key"
@@ -124,7 +144,8 @@ def keyed_app(secrets: Path) -> Iterator[str]:
     # cluster starts.
     missing = [name for name, value in ENV.items() if os.environ.get(name) != value]
     assert not missing, f"set before the cluster starts (tests/e2e/conftest.py): {missing}"
-    with local_app(args(key_file), APP, keep_cluster=True) as base:
+    _running.update(args=args(key_file), secrets=secrets)
+    with local_app(_running["args"], APP, keep_cluster=True) as base:
         wait_ready(base)
         yield base
 

@@ -64,7 +64,7 @@ def wait_ready(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, A
                 return last
         except httpx.HTTPError as exc:
             last = repr(exc)
-        time.sleep(1)
+        time.sleep(0.25)  # cheap to ask: a finer poll ends each wait sooner
     raise TimeoutError(f"{base_url} not ready after {timeout_s}s; last answer: {last}")
 
 
@@ -104,9 +104,19 @@ def wait_replicas(app: str, deployment: str, count: int, timeout_s: float) -> No
     while time.monotonic() < deadline:
         if running_replicas(app, deployment) == count:
             return
-        time.sleep(1)
-    raise AssertionError(f"{deployment} never reached {count} running replicas "
-                         f"(now {running_replicas(app, deployment)})")
+        time.sleep(0.25)  # cheap to ask: a finer poll ends each wait sooner
+    raise AssertionError(f"{deployment} never reached {count} running replicas: {_deployment_state(app, deployment)}")
+
+
+def _deployment_state(app: str, deployment: str) -> str:
+    """What a failed wait needs to say: the deployment's replicas by state, Serve's message for it, and
+    the cluster's free resources (a replica that cannot be placed waits for them)."""
+    import ray
+    from ray import serve
+
+    status = serve.status().applications[app].deployments[deployment]
+    free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+    return f"{dict(status.replica_states)}, {status.status}: {status.message!r}; free resources {free}"
 
 
 def ray_session_dir() -> Path:
@@ -120,6 +130,16 @@ def ray_session_dir() -> Path:
 def ray_session_logs(folder: str, pattern: str) -> list[Path]:
     """Log files of the running Ray session, e.g. ("serve", "replica_app_gateway_*.log")."""
     return sorted((ray_session_dir() / "logs" / folder).glob(pattern))
+
+
+def living_gateway_logs(app: str) -> set[str]:
+    """The log file names of the app's gateway replicas alive now (`replica_<app>_gateway_<id>.log`): a
+    replica killed or replaced earlier in the session left its log behind."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#gateway#"
+    return {f"replica_{app}_gateway_{a['name'].rpartition('#')[2]}.log"
+            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
 
 
 def gateways_that_served(app: str, request_ids: list[str], timeout_s: float = 30) -> dict[str, str]:

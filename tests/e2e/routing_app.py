@@ -117,6 +117,8 @@ def args(secrets: Path, adapters: dict[str, str]) -> dict[str, Any]:
                      {"name": "tuners", "key_file": key_file("tuners", TUNERS), "models": [f"{MODEL}:*"]}],
             "admin_keys": [{"name": "ops", "key_file": key_file("admin", ADMIN)}],
         },
+        # A batch whose lines name the adapters (tests/e2e/test_routing_adapters.py).
+        "batch": {"state": str(secrets / "batch.sqlite3"), "files": str(secrets / "files")},
     }
 
 

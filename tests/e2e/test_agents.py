@@ -5,12 +5,14 @@ The builtin chat model serves tools with the `hermes` parser its shipped chat te
 (shunter.catalog). It is a 135M model: left to itself (tool_choice auto) it rarely calls a tool, so the
 tests that need a call force one (required, or a named function); vLLM then constrains the output to the
 tool-call format, and `strict` tools to their argument schema, so the arguments always parse. A `city`
-drawn from an enum keeps those arguments a few tokens long.
+drawn from an enum keeps those arguments a few tokens long. The auto test instead asks the model to copy
+a call in the parser's format, which it does, so that the parser has a call to find.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -30,6 +32,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "strict": True,
                      "description": WEATHER["function"]["description"],
                      "parameters": WEATHER["function"]["parameters"]}
+# A call in the hermes format, for the model to copy (tool_choice auto: the parser must find it in the text).
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+COPY_A_CALL = [{"role": "user", "content": f"Repeat exactly, and nothing else:\n{CALL_TEXT}"}]
 ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"], "strict": True,
                      "input_schema": WEATHER["function"]["parameters"]}
 
@@ -65,11 +70,27 @@ def test_tool_choice_required_streamed_is_assembled_by_the_client(live_app):
     _arguments(calls[0])
 
 
-def test_tool_choice_auto_is_accepted_and_answers_or_calls(live_app):
-    resp = live_app.openai().chat.completions.create(model=CHAT_MODEL, messages=ASK, tools=[WEATHER],
-                                                     max_tokens=40, temperature=0)
-    message = resp.choices[0].message
-    assert message.content or message.tool_calls, resp
+def test_tool_choice_auto_turns_a_call_the_model_writes_into_a_tool_call(live_app):
+    """With tool_choice auto nothing constrains the output: the hermes parser reads the model's text and
+    turns a call written in its format into a tool call. The model is asked to copy one (it calls no tool
+    by itself, see above); tool_choice none shows the text the engine wrote for the same prompt (the tools
+    are in the prompt either way), and auto must give exactly that call, parsed, and no text."""
+    client = live_app.openai()
+    asked = {"model": CHAT_MODEL, "messages": COPY_A_CALL, "tools": [WEATHER, TIME], "max_tokens": 60,
+             "temperature": 0}
+    raw = client.chat.completions.create(tool_choice="none", **asked)
+    text = raw.choices[0].message.content or ""
+    written = re.search(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    assert written and not raw.choices[0].message.tool_calls, f"the model did not write the call: {text!r}"
+    expected = json.loads(written.group(1))
+    auto = client.chat.completions.create(tool_choice="auto", **asked)
+    assert auto.usage.prompt_tokens == raw.usage.prompt_tokens, "the same prompt both times"
+    choice = auto.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == \
+        [(expected["name"], expected["arguments"])], choice.message
+    assert choice.message.tool_calls[0].id
+    assert not (choice.message.content or "").strip(), "the call is not left in the text as well"
 
 
 def test_tool_choice_none_answers_in_text(live_app):
@@ -169,6 +190,55 @@ def test_messages_streamed(live_app):
         final = stream.get_final_message()
     assert text and final.content[0].text == text
     assert final.usage.output_tokens > 0 and final.stop_reason in ("end_turn", "max_tokens")
+
+
+def _content_blocks(events: list) -> list[tuple[str, list]]:
+    """The content blocks of a streamed Messages reply, checked against the event order Anthropic documents:
+    message_start; per block, in index order, content_block_start, one or more content_block_delta and
+    content_block_stop; then message_delta; then message_stop (pings may come anywhere). Returns each
+    block's type and deltas."""
+    kinds = [event.type for event in events]
+    events = [event for event in events if event.type != "ping"]
+    assert events[0].type == "message_start" and [e.type for e in events[-2:]] == ["message_delta", "message_stop"], \
+        kinds
+    blocks, inner = [], events[1:-2]
+    while inner:
+        start, inner = inner[0], inner[1:]
+        assert start.type == "content_block_start" and start.index == len(blocks), kinds
+        deltas = []
+        while inner and inner[0].type == "content_block_delta":
+            assert inner[0].index == start.index, kinds
+            deltas.append(inner[0].delta)
+            inner = inner[1:]
+        assert deltas and inner and inner[0].type == "content_block_stop" and inner[0].index == start.index, kinds
+        inner = inner[1:]
+        blocks.append((start.content_block.type, deltas))
+    assert blocks, f"no content block: {kinds}"
+    return blocks
+
+
+@pytest.mark.parametrize("tool", [False, True], ids=["text", "tool_use"])
+def test_messages_streamed_events_come_in_anthropics_order(live_app, tool):
+    """The raw event stream (not the SDK's accumulating helper), for a text reply and a forced tool call."""
+    extra = {"tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}} if tool else {}
+    with live_app.anthropic().messages.create(
+            model=CHAT_MODEL, max_tokens=60 if tool else 12, stream=True,
+            messages=[{"role": "user", "content": "What is the weather in Paris?" if tool else "Say hello."}],
+            **extra) as stream:
+        events = list(stream)
+    blocks = _content_blocks(events)
+    start, end = events[0].message, next(e for e in events if e.type == "message_delta")
+    assert start.role == "assistant" and start.content == [] and start.usage.input_tokens > 0, start
+    assert end.usage.output_tokens > 0, end
+    if tool:
+        kind, deltas = blocks[-1]
+        assert kind == "tool_use" and {d.type for d in deltas} == {"input_json_delta"}, blocks
+        assert json.loads("".join(d.partial_json for d in deltas))["city"] in ("Paris", "London")
+        assert end.delta.stop_reason == "tool_use"
+    else:
+        assert [kind for kind, _ in blocks] == ["text"] and {d.type for d in blocks[0][1]} == {"text_delta"}
+        assert "".join(d.text for d in blocks[0][1]).strip()
+        assert end.delta.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_messages_with_a_forced_tool(live_app):

@@ -6,10 +6,11 @@ the case in which HAProxy's request splicing used to lose the client's close (sh
 app's limits keep every request small (8 tokens, n <= 2, 200 prompt tokens), so the work that would run
 long is a burst of such requests, or one completions batch of many one-token prompts. The clients leave
 0.3 s after the engine has started on it (a whole reply while it waits, a stream mid-read). Then: the
-engine holds none of the requests within a few seconds, each is settled once as a 499 for its key (never
-a 200: none ran to its end for nobody), the key is charged more than nothing and less than every token the
-burst could have made, and the platform serves the next request normally. A whole completions batch left after
-2.5 s is charged the completion tokens its replica had reported by then (shunter.engine_usage).
+engine holds none of the requests within a few seconds, each is settled once: a 499 for its key when its
+client left, a 200 only for a reply its client read whole (never a 200 for nobody), the key is charged
+more than nothing and less than every token the burst could have made, and the platform serves the next
+request normally. A whole completions batch left after 2.5 s is charged the completion tokens its replica
+had reported by then (shunter.engine_usage).
 """
 
 from __future__ import annotations
@@ -136,17 +137,18 @@ def _key_totals() -> dict[str, float]:
             "completion": metric_total(text, "ray_shunter_key_tokens_total", kind="completion", **labels)}
 
 
-def _settled(settled_requests: float, timeout_s: float = 60) -> dict[str, float]:
-    """The key's totals once `settled_requests` requests are counted and two scrapes a second apart agree:
+def _settled(settled_requests: float, timeout_s: float = 60, quiet_s: float = 1) -> dict[str, float]:
+    """The key's totals once `settled_requests` requests are counted and two scrapes `quiet_s` apart agree:
     a request's status and tokens are recorded together when it settles, so the export (every 2 s in the
-    suite's clusters) that brings the last count brings its tokens too."""
+    suite's clusters) that brings the last count brings its tokens too. With no count to wait for, the
+    scrapes must be further apart than an export, or two could read the same stale one."""
     deadline, last = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         now = _key_totals()
         if now["499"] + now["200"] >= settled_requests and now == last:
             return now
         last = now
-        time.sleep(1)
+        time.sleep(quiet_s)
     raise AssertionError(f"the key's requests never settled at {settled_requests}: {last}")
 
 
@@ -158,7 +160,7 @@ def _before() -> dict[str, float]:
     """The key's totals before a test: the last test's "after", or, first or after a test that failed before
     reading its own, a fresh reading once its late settlements have stopped arriving."""
     if not _totals or _open:
-        _totals.append(_settled(0))
+        _totals.append(_settled(0, quiet_s=3))
     _open[:] = [True]
     return _totals[-1]
 
@@ -184,10 +186,11 @@ def test_a_client_that_leaves_stops_its_work_and_is_charged_what_was_produced(ap
     outcomes, busy = asyncio.run(_send_and_leave(app, PATHS[endpoint], bodies, model, leave_s))
     left_at, left = time.monotonic(), outcomes.count("left")
     answered = len(bodies) - left
-    if endpoint == "embedding":
-        assert left and sum(o.startswith("answered before leaving: 200 ") for o in outcomes) == answered, outcomes
-    else:
-        assert outcomes == ["left"] * len(bodies), outcomes
+    # A request the engine finished before its client left is a 200 the client read whole: on a fast
+    # engine the first of a burst of small requests can (eight tokens in the 0.3 s). Most must be left.
+    whole = "read to its end: 200" if stream else "answered before leaving: 200 "
+    assert sum(o.startswith(whole) for o in outcomes) == answered, outcomes
+    assert left >= max(1, 0 if endpoint == "embedding" else len(bodies) // 2), outcomes
     assert busy > 0, "the engine never started on the requests: the test would prove nothing"
     assert _wait_for(lambda: _engine_requests(model) == 0, IDLE_WITHIN_S), \
         f"the engine still held requests {IDLE_WITHIN_S:g}s after their clients left"

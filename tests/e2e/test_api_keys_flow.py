@@ -101,15 +101,21 @@ def _seconds(reset: str) -> float:
 
 def test_every_answer_to_a_metered_key_carries_rate_limit_headers_that_decrease_and_reset(keyed_app_url):
     """Read with the official SDK, as a client would: each gateway holds half the key's requests per minute
-    and reports its remaining half scaled to the whole key, so each request a gateway serves takes 2 off."""
+    and reports its remaining half scaled to the whole key, so each request a gateway serves takes 2 off,
+    and its bucket refills meanwhile at 1 a second (scaled: 60 a minute over the key): between two of its
+    answers the figure stays below the earlier one plus the seconds that passed (2 taken, and rounding down
+    loses less than 2)."""
     client = openai.OpenAI(base_url=f"{keyed_app_url}/v1", api_key=METERED, max_retries=0, timeout=TIMEOUT_S)
     limit = METERED_REQUESTS_PER_MINUTE
     seen: dict[str, tuple[int, float]] = {}
+    sent, answered = {}, {}  # when each request left and its answer came (bounds what the gateway saw)
     for i in range(6):
         rid = f"metered-{uuid.uuid4().hex}"
+        sent[rid] = time.monotonic()
         raw = client.chat.completions.with_raw_response.create(
             model=CHAT_MODEL, max_tokens=2, messages=[{"role": "user", "content": f"Say hi {i}."}],
             extra_headers={"X-Request-ID": rid})
+        answered[rid] = time.monotonic()
         assert raw.parse().usage.completion_tokens > 0
         assert raw.headers["x-ratelimit-limit-requests"] == str(limit)
         assert raw.headers["x-ratelimit-limit-tokens"] == "60000"
@@ -118,8 +124,12 @@ def test_every_answer_to_a_metered_key_carries_rate_limit_headers_that_decrease_
     gateway_of = gateways_that_served(APP, list(seen))
     assert set(gateway_of) == set(seen), gateway_of
     for gateway in set(gateway_of.values()):
-        remaining = [seen[rid][0] for rid in seen if gateway_of[rid] == gateway]
-        assert all(later < earlier for earlier, later in zip(remaining, remaining[1:], strict=False)), (gateway, remaining)
+        served = [rid for rid in seen if gateway_of[rid] == gateway]  # in the order sent
+        remaining = [seen[rid][0] for rid in served]
+        for earlier, later in zip(served, served[1:], strict=False):
+            # 2 taken, at most `refilled` (scaled) back, and the figure rounded down by less than 2.
+            refilled = answered[later] - sent[earlier]
+            assert seen[later][0] < seen[earlier][0] + refilled, (gateway, remaining, refilled)
         assert limit - 2 * len(remaining) <= remaining[-1] < limit, (gateway, remaining)
     # Every answer, not only replies: a refused body and the model list carry them too.
     with pytest.raises(openai.BadRequestError) as refused:

@@ -6,6 +6,7 @@ Skipped, with the reason, on machines without enough CUDA devices (tests/conftes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,13 +31,29 @@ def gpu_cluster(exclusive_machine, tmp_path_factory) -> Iterator[tuple[Cluster, 
         live.close()
 
 
+def _gpus_reserved(expected: int, timeout_s: float = 60) -> float:
+    """The cluster's GPUs held by actors and placement groups, once it is `expected` (the last app's
+    groups are removed a moment after `serve.delete` returns): what the serving app reserved."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = ray.cluster_resources().get("GPU", 0) - ray.available_resources().get("GPU", 0)
+        if held == expected or time.monotonic() > deadline:
+            return held
+        time.sleep(1)
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_a_split_engine_on_gpus_answers_as_one_gpu_does(gpu_cluster, tp, pp):
     live, tiny = gpu_cluster
     source = tiny if tp > 1 else SMOL  # SmolLM2's 9 heads do not split in two; its 30 layers do
     reference = _answers(live.serve([_gpu_model("m", source)]), "m")
+    # Greedy answers of both prompts, each saying something: equal lists below are a real comparison.
+    assert len(reference) == len(PROMPTS) and all(answer.strip() for answer in reference), reference
+    assert _gpus_reserved(1) == 1, "the reference engine runs on one GPU"
     app = live.serve([_gpu_model("m", source, tp=tp, pp=pp)])
+    assert _gpus_reserved(tp * pp) == tp * pp, f"TP {tp} x PP {pp} runs on {tp * pp} GPUs"
     ready = app.openai().models.list()
     assert [m.id for m in ready.data][:1] == ["m"]
     assert _answers(app, "m") == reference, f"TP {tp} x PP {pp} on GPUs gives one GPU's greedy answers"
-    assert len(reference) == len(PROMPTS)

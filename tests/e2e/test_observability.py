@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ SYSTEM = " ".join(f"Fact {i}: depot {i} ships crates to harbour {i % 7} every mo
 ADAPTERS = ("obs-a", "obs-b")  # two LoRA adapters of the model, one held at a time (max_cpu_loras 1)
 
 
-def _args(otlp_endpoint: str, adapters: dict[str, str]) -> dict:
+def _args(otlp_endpoint: str, adapters: dict[str, str], state: Path) -> dict:
     return {
         "models": [{
             "name": MODEL,
@@ -61,6 +62,8 @@ def _args(otlp_endpoint: str, adapters: dict[str, str]) -> dict:
         }],
         "observability": {"tracing": {"exporter": "otlp", "otlp_endpoint": otlp_endpoint},
                           "logging": {"format": "json"}},
+        # A batch runs too: the flow dashboard's batch panels.
+        "batch": {"state": str(state / "batch.sqlite3"), "files": str(state / "files")},
     }
 
 
@@ -68,6 +71,7 @@ class Live:
     def __init__(self, base: str, metrics_url: str, spans: OTLPReceiver, prometheus: Prometheus):
         self.base, self.metrics_url, self.spans, self.prometheus = base, metrics_url, spans, prometheus
         self.started_at = time.time()
+        self.adapter_answers: dict[str, str] = {}  # each adapter's greedy answer when it was first loaded
 
     def chat(self, content: str, **extra) -> httpx.Response:
         return httpx.post(f"{self.base}/v1/chat/completions", timeout=120, json={
@@ -83,7 +87,8 @@ def live(exclusive_machine, tmp_path_factory) -> Iterator[Live]:
     adapters = {name: make_adapter(base_dir, folder / name, seed=i + 1) for i, name in enumerate(ADAPTERS)}
     metrics_port = free_port()
     with OTLPReceiver() as receiver, \
-            local_app(_args(receiver.endpoint, adapters), APP, metrics_port=metrics_port) as base, \
+            local_app(_args(receiver.endpoint, adapters, tmp_path_factory.mktemp("batch")), APP,
+                      metrics_port=metrics_port) as base, \
             Prometheus([f"127.0.0.1:{metrics_port}"], scrape_interval_s=SCRAPE_S) as prometheus:
         wait_ready(base)
         prometheus.wait_scraped()
@@ -117,18 +122,58 @@ def test_one_request_is_one_trace_from_the_client_through_the_replica_to_the_eng
     assert route.attributes["shunter.replica"] == replica.attributes["shunter.replica"]
 
 
-def _ask_adapters(live: Live, round_: int) -> None:
+def _ask_adapters(live: Live) -> dict[str, str]:
+    """Each adapter's greedy answer to the same question, asked in turn (12 tokens: enough for two seeded
+    adapters to answer apart, tests/e2e/test_routing_adapters.py)."""
+    answers = {}
     for name in ADAPTERS:
         resp = httpx.post(f"{live.base}/v1/chat/completions", timeout=120, json={
-            "model": name, "max_tokens": 4, "messages": [{"role": "user", "content": f"Round {round_}."}]})
+            "model": name, "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert resp.status_code == 200 and resp.json()["model"] == name, resp.text
+        answers[name] = resp.json()["choices"][0]["message"]["content"]
+    return answers
+
+
+def _adapters_on_v1(live: Live) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """v1's one replica's own record of its engine's adapters (`stats`: those held, least recently used
+    first, and how often each was loaded), and which replicas the gateway's routers believe hold each."""
+    from ray import serve
+
+    from shunter.replica_protocol import RouteHint
+
+    listed = httpx.get(f"{live.base}/admin/models/{MODEL}/replicas", timeout=60).json()["replicas"]
+    (replica,) = [r["replica"] for r in listed if r["version"] == "v1"]
+    handle = serve.get_deployment_handle(f"model-{MODEL}--v1", app_name=APP)
+    stats = handle.stats.remote(RouteHint(pin=replica)).result(timeout_s=60)
+    rows = httpx.get(f"{live.base}/admin/models/{MODEL}/adapters", timeout=60).json()["adapters"]
+    return {"replica": replica, **stats}, {row["name"]: row["held_by"] for row in rows}
+
+
+def _wait_held_by(live: Live, held_by: dict[str, list[str]], timeout_s: float = 60) -> None:
+    """The gateway's picture (the routers' copy, corrected by each replica report) until it is `held_by`."""
+    deadline, seen = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        _, seen = _adapters_on_v1(live)
+        if seen == held_by:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the gateway believes {seen}, not {held_by}")
 
 
 def test_requests_to_lora_adapters_are_served_each_loaded_in_turn(live):
-    """Two adapters on a replica that holds one: each is loaded, then evicted by the other. The next test
-    but one asks again, long enough after (the replica exports every few seconds) that the adapter
-    panels' rates have a baseline to rise from."""
-    _ask_adapters(live, 0)
+    """Two adapters on a replica that holds one (max_cpu_loras 1): obs-a is loaded, then evicted when obs-b
+    is loaded; the replica's engine holds only obs-b and the gateway knows it. The next test but one asks
+    again, long enough after (the replica exports every few seconds) that the adapter panels' rates have
+    a baseline to rise from."""
+    answers = _ask_adapters(live)
+    first, second = ADAPTERS
+    assert answers[first] != answers[second], f"each adapter's own weights answer: {answers}"
+    live.adapter_answers.update(answers)
+    stats, _ = _adapters_on_v1(live)
+    assert stats["adapter_capacity"] == 1 and stats["adapters"] == [second], stats
+    assert stats["adapter_loads"] == {first: 1, second: 1}, stats
+    _wait_held_by(live, {first: [], second: [stats["replica"]]})
 
 
 def test_a_rollout_to_a_failing_version_is_rolled_back_with_no_client_error(live):
@@ -151,7 +196,12 @@ def test_a_rollout_to_a_failing_version_is_rolled_back_with_no_client_error(live
 
 
 def test_requests_to_lora_adapters_carry_the_adapter_in_spans(live):
-    _ask_adapters(live, 1)  # each adapter loaded again: its load counter rises
+    """The second round: each adapter, evicted by the other since, is loaded again (its load counter
+    rises) and answers as it did when first loaded."""
+    assert live.adapter_answers, "the first round ran"
+    assert _ask_adapters(live) == live.adapter_answers, "reloaded after its eviction, each answers as before"
+    stats, _ = _adapters_on_v1(live)
+    assert stats["adapter_loads"] == dict.fromkeys(ADAPTERS, 2) and stats["adapters"] == [ADAPTERS[-1]], stats
     asked = sorted(ADAPTERS * 2)
     deadline, spans = time.monotonic() + 30, []
     while time.monotonic() < deadline:
@@ -228,6 +278,7 @@ def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
 
     wanted = set().union(*(dashboard_metric_names(board) for board in all_dashboards()))
     external = set(allowed_external_metrics())
+    batch = _start_a_batch(live)  # its gauges live while it runs: the check runs beside it
     exported: set[str] = set()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # Ray's metrics agent exports every few seconds
@@ -236,6 +287,7 @@ def test_every_metric_the_dashboards_query_is_exported_by_the_live_app(live):
         if wanted <= exported:
             break
         time.sleep(3)
+    _finish(live, batch)
     missing = wanted - exported
     assert not missing - external, f"dashboards query metrics the live app does not export: {sorted(missing)}"
     assert not missing, f"allow-listed metrics not exported by this Ray: {sorted(missing & external)}"
@@ -251,6 +303,73 @@ NO_DATA_HERE = {
 }
 
 
+def _caught_up(live: Live, counted: float = 0, sent: int = 0, timeout_s: float = 120, whole_s: float = 30) -> float:
+    """Until Ray's exporter (every 2 s here) counts the model's requests and Prometheus has scraped what it
+    counts (`counted` before the last `sent` requests): waiting for the data, not for a guess at the export's
+    pace. Returns the count.
+
+    Ray 2.60's metrics agent adds up the deltas each worker sends (`set_metric_value` in its
+    open_telemetry_metric_recorder), and a delta lost on a loaded machine is never sent again: CI once saw a
+    whole burst's 12 missing for good. So the count must reach `counted + sent` within `whole_s`; after that,
+    any growth past `counted` does (the data this module needs is an increase, not its exact size)."""
+    from tests.e2e.live import metric_total
+
+    def exported() -> float:
+        return metric_total(httpx.get(live.metrics_url, timeout=10).text, "ray_shunter_requests_total", model=MODEL)
+
+    def scraped() -> float:
+        return sum(float(s["value"][1]) for s in live.prometheus.query(
+            f'sum(ray_shunter_requests_total{{model="{MODEL}"}})'))
+
+    started = time.monotonic()
+    while True:
+        now, elapsed = exported(), time.monotonic() - started
+        if (now >= counted + sent or (elapsed > whole_s and now > counted)) and scraped() >= now:
+            return now
+        assert elapsed < timeout_s, f"{counted} + {sent} requests: exported {now}, scraped {scraped()}"
+        time.sleep(0.5)
+
+
+def _stream_honouring_retry_after(live: Live, content: str, attempts: int = 5) -> int:
+    """A short stream read to its end, as a client does it after a burst: the places a burst's refusals
+    keep for their retries are taken until their Retry-After, so a 429 is retried after it. Returns the
+    requests sent (each is counted)."""
+    for attempt in range(1, attempts + 1):
+        with httpx.stream("POST", f"{live.base}/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": content}]}) as resp:
+            resp.read()
+        if resp.status_code != 429 or attempt == attempts:
+            assert resp.status_code == 200, resp.text
+            return attempt
+        time.sleep(float(resp.headers["retry-after"]))
+    raise AssertionError("unreachable")
+
+
+def _start_a_batch(live: Live, lines: int = 48) -> dict:
+    """A batch of chats through the Batch API (the flow dashboard's batch panels): long enough (a few lines at
+    a time in the least urgent class) for its gauges to be exported and scraped while it runs."""
+    requests = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"Count to {i + 3}."}]}}).encode()
+        + b"\n" for i in range(lines))
+    uploaded = httpx.post(f"{live.base}/v1/files", files={"file": ("in.jsonl", requests)}, data={"purpose": "batch"},
+                          timeout=60).json()
+    batch = httpx.post(f"{live.base}/v1/batches", timeout=60, json={
+        "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
+    assert batch["status"] == "validating", batch
+    return batch
+
+
+def _finish(live: Live, batch: dict) -> None:
+    """Until the batch ends: every line answered."""
+    deadline = time.monotonic() + 300
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(1)
+        batch = httpx.get(f"{live.base}/v1/batches/{batch['id']}", timeout=60).json()
+    counts = batch["request_counts"]
+    assert batch["status"] == "completed" and counts["completed"] == counts["total"] > 0, batch
+
+
 def test_every_dashboard_expression_returns_data_from_prometheus(live):
     """Each panel query, as Grafana sends it (variables at All, SLO variables at their first option,
     `$__rate_interval` 1m), over the module's whole run: Prometheus's own evaluation, not a copy of it.
@@ -259,16 +378,14 @@ def test_every_dashboard_expression_returns_data_from_prometheus(live):
     from shunter.ops.dashboards.dashboards import all_dashboards
     from shunter.ops.dashboards.promql_names import interpolate, slo_values
 
+    counted = _caught_up(live)
     for round_ in range(3):
-        _burst(live)  # refusals rise on a series that exists: the flow dashboard's refusal panels
+        sent = 0
         for i in range(2):
-            with httpx.stream("POST", f"{live.base}/v1/chat/completions", timeout=120, json={
-                    "model": MODEL, "stream": True, "max_tokens": 8,
-                    "messages": [{"role": "user", "content": f"Count to {round_ * 2 + i + 3}."}]}) as resp:
-                assert resp.status_code == 200
-                resp.read()
-        time.sleep(5)  # past Ray's metrics export (2 s here) and a scrape: the next round is an increase
-    time.sleep(6)
+            sent += _stream_honouring_retry_after(live, f"Count to {round_ * 2 + i + 3}.")
+        sent += len(_burst(live))  # refusals rise on a series that exists: the flow dashboard's refusal panels
+        # In Prometheus before the next round: that one is an increase on the series this one left.
+        counted = _caught_up(live, counted, sent)
     step, end = 5.0, time.time()
     start = end - step * ((end - live.started_at + 60) // step)  # the last step is now
     empty, checked = [], 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -75,15 +76,14 @@ def test_streaming_chat_with_usage(live_app):
     stream = live_app.openai().chat.completions.create(
         model=CHAT_MODEL, messages=FRANCE, max_tokens=30, temperature=0, stream=True,
         stream_options={"include_usage": True})
-    text, finish, usage, chunks = "", None, None, 0
-    for chunk in stream:
-        chunks += 1
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-        if chunk.usage:
-            usage = chunk.usage
-    assert finish == "stop" and chunks > 3
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    # Tokens the engine made while the reader was busy arrive merged in one chunk (vLLM merges them too),
+    # so how many content chunks there are depends on the machine: the shape does not.
+    assert chunks[0].choices[0].delta.role == "assistant" and finishes == ["stop"], chunks
+    usage = chunks[-1].usage  # include_usage: a last chunk with the usage and no choices
+    assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1]), chunks[-2:]
     assert_capital(text, live_app.base_url)
     assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
 
@@ -93,7 +93,14 @@ def test_streaming_completions_end_with_done(live_app):
             "model": CHAT_MODEL, "prompt": "The capital of France is", "max_tokens": 8, "stream": True}) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) > 2
+    # Tokens made while the reader was busy arrive merged (a fast engine may send all 8 in one chunk): the
+    # stream's shape is asserted, not its chunk count.
+    assert events[-1] == "data: [DONE]" and len(events) >= 2, events
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1, chunks
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert len(finishes) == 1 and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks
+    assert "".join(c["choices"][0]["text"] for c in chunks).strip(), chunks
 
 
 def _cosine(a: list[float], b: list[float]) -> float:

@@ -142,13 +142,21 @@ def _answers(app: LiveApp, model: str, stream: bool = False) -> list[str]:
     return answers
 
 
+def _engine_processes(app: LiveApp, model: str) -> list[psutil.Process]:
+    """The model's engine processes as its replica names them (/ready: forked by the node's fork server,
+    they are not the replica's children)."""
+    pids = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["engine_pids"]
+    return [psutil.Process(pid) for pid in pids]
+
+
 def _engine_ranks(app: LiveApp, model: str) -> list[str]:
-    """The processes running the model's engine ranks: the children of its engine-core process (the
-    replica's child that has children), resource trackers aside. Found from the replica's pid (/ready),
-    not by process title: vLLM's worker titles were missing in some runs on this machine."""
-    pid = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["pid"]
+    """The processes running the model's engine ranks: the children of its engine-core process (the engine
+    process whose parent is not one of them), resource trackers aside. Not by process title: vLLM's worker
+    titles were missing in some runs on this machine."""
+    procs = _engine_processes(app, model)
+    pids = {proc.pid for proc in procs}
     ranks = []
-    for core in psutil.Process(pid).children():
+    for core in (proc for proc in procs if proc.ppid() not in pids):
         for proc in core.children():
             line = " ".join(proc.cmdline())
             if "resource_tracker" not in line:
@@ -157,10 +165,9 @@ def _engine_ranks(app: LiveApp, model: str) -> list[str]:
 
 
 def _engine_niceness(app: LiveApp, model: str) -> set[int]:
-    pid = httpx.get(f"{app.base_url}/ready", timeout=60).json()["models"][model]["pid"]
     # Niceness is per thread on Linux: every thread of the engine's processes.
     return {os.getpriority(os.PRIO_PROCESS, thread.id)
-            for proc in psutil.Process(pid).children(recursive=True) for thread in proc.threads()}
+            for proc in _engine_processes(app, model) for thread in proc.threads()}
 
 
 def test_tensor_parallel_2_answers_as_one_rank_does(cluster):

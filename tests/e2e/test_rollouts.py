@@ -29,11 +29,14 @@ ARGS = {
             {"name": "v1", "source": SMOL, "weight": 100},
             {"name": "v2", "source": SMOL, "engine": {"max_num_seqs": 8}},
         ],
-        # Two engines share two cores and the load: latency noise is large, so the latency gates are
-        # loose; errors are judged strictly.
+        # Two engines share two cores and the load, and a version's first requests after its start are
+        # its slowest (the p95 of five is the slowest of them): on an AVX2-only 2-core machine v2's TTFT
+        # p95 was 2.6 s against v1's 0.5 s, and a 1 s slack rolled a good version back. Latency
+        # differences under 10 s are noise here; a latency gate that bites is tests/integration/
+        # test_rollouts.py's (a fake engine made slow on demand). Errors are judged strictly.
         "rollout": {"steps": [20, 60, 100], "hold_s": 4, "max_hold_s": 120, "ready_timeout_s": 300,
                     "gates": {"min_requests": 5, "max_error_rate_increase": 0.02, "max_ttft_p95_ratio": 4,
-                              "max_e2e_p95_ratio": 4, "latency_slack_s": 1.0}},
+                              "max_e2e_p95_ratio": 4, "latency_slack_s": 10.0}},
         "draining": {"timeout_s": 60},
     }],
 }
@@ -50,18 +53,16 @@ def app() -> Iterator[str]:
 
 def _run_rollout(base: str, to: str) -> tuple[dict, Load]:
     load = Load(base, MODEL, clients=3, max_tokens=12)
-    threads = load.start()
+    load.start()
     try:
-        time.sleep(3)
+        load.answered(3)  # traffic flows before the rollout starts ...
         started = time.monotonic()
         start_rollout(base, MODEL, to)
         status = wait_done(base, MODEL, timeout_s=600)
         print(f"\nrollout to {to} ({time.monotonic() - started:.0f} s):\n{timeline(status)}")
-        time.sleep(3)
+        load.answered(3)  # ... and after it has ended
     finally:
-        load.stop.set()
-        for t in threads:
-            t.join(timeout=120)
+        load.finish()
     by_version: dict[str | None, int] = {}
     for r in load.results:
         by_version[r["version"]] = by_version.get(r["version"], 0) + 1

@@ -66,7 +66,12 @@ def _pinned_cached_tokens(handle: Any, replica: str) -> int:
     raise AssertionError("the replica sent no reply head")
 
 
-def _flood_with_long_answers(live: Any, requests: int = 16, tokens: int = 512) -> None:
+def _flood_with_long_answers(live: Any, requests: int = 32, tokens: int = 288) -> None:
+    """Decode blocks past what each 32-block engine holds: about 16 answers per engine (its max_num_seqs)
+    of 3 blocks each (a short prompt and 288 tokens) want 48, so the prompt's 10 cached blocks are all
+    reused even when the requests split unevenly (11 on one engine still want 33). Fewer, longer answers
+    (16 x 512) evicted as surely in 512 decode steps; these take under 300 plus the preempted ones'
+    recompute, which is cheap (their prompts are a few tokens)."""
     async def run() -> None:
         client = live.async_openai()
         await asyncio.gather(*(client.chat.completions.create(
@@ -76,19 +81,55 @@ def _flood_with_long_answers(live: Any, requests: int = 16, tokens: int = 512) -
     asyncio.run(run())
 
 
+def _gateway_routing(replica: str) -> list[tuple[str | None, int] | None]:
+    """What each gateway's routing state holds for `replica` of the model: the id of the last report of
+    its engine's cache it took, and how many keys it still counts as held because it sent them there
+    lately (the speculation window). Read inside the gateway processes (the state lives there, and asking
+    through a request would change it), with Ray's way to run a function on a live actor."""
+    import ray
+
+    from shunter.routing.state import deployment_key
+
+    def read(_actor: Any, key: str, replica: str) -> tuple[str | None, int] | None:
+        from shunter.routing import state
+
+        routing = state._by_deployment.get(key)
+        return None if routing is None else (routing._prefix_reports.get(replica), routing.prefix.size(replica))
+
+    prefix = f"SERVE_REPLICA::{APP}#gateway#"
+    gateways = [ray.get_actor(a["name"], namespace=a["namespace"])
+                for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert gateways, "no gateway replica found"
+    key = deployment_key(APP, f"model-{MODEL}")
+    return ray.get([gateway.__ray_call__.remote(read, key, replica) for gateway in gateways], timeout=60)
+
+
+def _wait_for_a_fresh_report(replica: str, timeout_s: float = 120) -> None:
+    """Until every gateway has taken a report of `replica`'s engine made after now, and counts nothing as
+    held only because it sent it there (that lasts the speculation window past the last prompt sent,
+    routing.state.SPECULATION_S): its picture of that engine is then the engine's own report."""
+    before = {i: seen[0] for i, seen in enumerate(_gateway_routing(replica)) if seen}
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        seen = _gateway_routing(replica)
+        if all(now is not None and now[0] != before.get(i) and now[1] == 0 for i, now in enumerate(seen)):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no fresh report of {replica} replaced what the gateways sent it: {before} -> {seen}")
+
+
 def test_the_router_follows_what_the_engines_really_hold(app):
     live, handle = app
     holder, _, _, _ = _ask(live)
-    sent_at = time.monotonic()
     again, predicted, cached, source = _ask(live)
     assert again == holder and source == "precise", (holder, again, source)
     assert cached >= 8 * BLOCK and abs(predicted - cached) <= 2 * BLOCK, (predicted, cached)
     held_before = _view(handle, holder)["held_keys"]
 
-    _flood_with_long_answers(live)  # 16 x 512 tokens: 32 blocks of answers, 16 per 32-block engine
-    # Keys sent within the speculation window count as held whatever a report says; wait it out, and
-    # for the next report (every 2 s).
-    time.sleep(max(0.0, 13.0 - (time.monotonic() - sent_at)))
+    _flood_with_long_answers(live)  # 32 x 288 tokens: about 48 blocks of answers per 32-block engine
+    # Keys sent within the speculation window count as held whatever a report says: wait until the
+    # gateways believe only the engine's report again, one made after the flood.
+    _wait_for_a_fresh_report(holder)
 
     view = _view(handle, holder)
     assert view["exact"] and view["losses"] == 0 and view["linked_keys"] >= held_before, view

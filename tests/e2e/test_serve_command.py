@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,20 @@ def _one_model_config(port: int) -> dict:
     return config
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _default_sigint() -> None:
     # As from a terminal: a shell starting a background job would otherwise have SIGINT ignored.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -62,6 +77,7 @@ def test_ctrl_c_lets_a_running_stream_finish_then_stops(exclusive_machine, tmp_p
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
         tree = psutil.Process(proc.pid).children(recursive=True)
+        commands = {process.pid: " ".join(_cmdline(process)) for process in tree}
         events, interrupted_at = [], None
         with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, json={
                 "model": CHAT_MODEL, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
@@ -86,6 +102,19 @@ def test_ctrl_c_lets_a_running_stream_finish_then_stops(exclusive_machine, tmp_p
         assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
         out = (tmp_path / "serve.log").read_text()
         assert "draining:" in out and "drained in" in out
+        # Stopped means stopped: no process it started lives on (HAProxy included: Ray runs it as a child of
+        # its proxy actor), and the port can be served again.
+        assert [c for c in commands.values() if "haproxy" in c], f"no HAProxy serving {base}: {commands}"
+        deadline = time.monotonic() + 30
+        while [p for p in tree if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert not [p for p in tree if _alive(p)], [commands[p.pid][:200] for p in tree if _alive(p)]
+        listening = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and
+                     c.status == psutil.CONN_LISTEN]
+        assert not listening, f"port {port} is still served: {listening}"
+        with socket.socket() as probe:  # as a server started next would bind it (TIME_WAIT is no obstacle)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -178,13 +178,21 @@ def test_the_monitor_skips_samples_while_the_top_tier_is_full(app):
     body = {"model": "smollm2-large", "messages": [{"role": "user", "content": "Count to one thousand."}],
             "max_tokens": 1500, "ignore_eos": True, "stream": True}  # long: it stops at max_tokens only
 
-    def hold(_: int) -> tuple[int, str | None]:
-        with httpx.stream("POST", f"{app}/v1/chat/completions", json=body, timeout=120) as resp:
-            if resp.status_code == 200:
-                hang_up.wait(120)  # unread, the stream stays admitted until we hang up
-                return 200, None
-            resp.read()
-            return resp.status_code, resp.json()["error"]["code"]
+    def hold(head: Future) -> None:
+        """One stream: `head` gets (status, error code) as soon as the gateway answered; an admitted
+        stream then stays open, unread, until we hang up."""
+        try:
+            with httpx.stream("POST", f"{app}/v1/chat/completions", json=body, timeout=120) as resp:
+                if resp.status_code == 200:
+                    head.set_result((200, None))
+                    hang_up.wait(120)
+                    return
+                resp.read()
+                head.set_result((resp.status_code, resp.json()["error"]["code"]))
+        except BaseException as exc:
+            if not head.done():
+                head.set_exception(exc)
+            raise
 
     deadline = time.monotonic() + 60
     while True:  # the comparisons earlier tests' requests started have all finished: the top tier is idle
@@ -195,16 +203,22 @@ def test_the_monitor_skips_samples_while_the_top_tier_is_full(app):
         time.sleep(0.5)
     before = _samples(app)
     bound = LARGE_ONGOING + LARGE_QUEUED
-    with ThreadPoolExecutor(bound + 4) as pool:
-        held, refused = [], None
+    extra = 4
+    with ThreadPoolExecutor(bound + extra) as pool:
+        heads: list[Future] = [Future() for _ in range(bound + extra)]
+        streams = [pool.submit(hold, head) for head in heads]
         try:
-            while refused is None and len(held) < bound + 4:  # streams until the gateway turns one away
-                stream = pool.submit(hold, len(held))
-                try:
-                    refused = stream.result(timeout=3)  # a refusal comes at once; an admitted stream stays
-                except TimeoutError:
-                    held.append(stream)
-            assert refused == (429, "queue_full"), (refused, len(held))
+            # The bound's running streams answer with their first chunk and the ones past the bound with
+            # a 429; queued streams answer nothing until a slot frees. Counted by answer, not by a
+            # time: with the held streams decoding on both cores, a refusal's way back may take seconds.
+            deadline = time.monotonic() + 60
+            while sum(h.done() for h in heads) < LARGE_ONGOING + extra and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1)  # nothing more answers: the queued streams wait
+            answers = [h.result() for h in heads if h.done()]
+            refused = [a for a in answers if a != (200, None)]
+            held = [s for s, h in zip(streams, heads, strict=True) if not h.done() or h.result() == (200, None)]
+            assert refused == [(429, "queue_full")] * extra, (answers, len(heads))
             assert len(held) == bound, f"{len(held)} streams admitted, the bound is {bound}"
             for _ in range(2):
                 tier, _, answer = ask(app, SIMPLE)
@@ -213,7 +227,8 @@ def test_the_monitor_skips_samples_while_the_top_tier_is_full(app):
             assert _samples(app) == before, "the monitor asked the full top tier"
         finally:
             hang_up.set()
-        assert {f.result(timeout=120) for f in held} == {(200, None)}
+        for stream in held:
+            stream.result(timeout=120)  # each held stream closed without an error
     ask(app, SIMPLE)  # room again: this one is compared
     assert wait_for(app, lambda s: s["monitor"]["windows"].get("simple@0", {}).get("samples", 0) > before,
                     timeout_s=60)["monitor"]["windows"]["simple@0"]["samples"] > before

@@ -3,7 +3,7 @@
 The real engine cannot be made, on demand, to fail, hang or die in the middle of a stream, so these
 tests swap it (through ModelServer's `engine_factory` seam) for this fake, which implements the engine
 interface the replica calls (shunter.engine_protocol.ServingEngine, through its BaseEngine: no counters,
-LoRA, prefix view or token counts) and answers with EngineReply as shunter.engine.VLLMEngine does. It
+LoRA or prefix view; a stream's running token counts, as `produced`) and answers with EngineReply as shunter.engine.VLLMEngine does. It
 serves chat and completions (embeddings: one zero vector); the Responses and Messages APIs raise. What it
 does depends on the model's `source`:
 
@@ -38,6 +38,7 @@ from typing import Any
 
 from shunter.engine import EngineReply, EngineSpec
 from shunter.engine_protocol import BaseEngine
+from shunter.engine_usage import Tally, request_tally
 from shunter.errors import error_body
 
 SLOW_S = 1.0
@@ -108,13 +109,27 @@ class FaultInjectingEngine(BaseEngine):
             return EngineReply(200, {"object": "chat.completion", "model": self.spec.served_name,
                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                                   "finish_reason": "stop"}]})
-        usage = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
-        return EngineReply(200, stream=self._stream(text, 10 if slow else 1, usage))
+        options = body.get("stream_options") or {}
+        # The request's tally, read here as vLLM's generate reads it when the handler calls it (the stream
+        # itself is read later, outside the request's task).
+        return EngineReply(200, stream=self._stream(text, request_tally.get(), 10 if slow else 1,
+                                                    bool(options.get("include_usage")),
+                                                    bool(options.get("continuous_usage_stats"))))
 
-    async def _stream(self, text: str, slower: float = 1, usage: bool = False) -> AsyncIterator[str]:
-        """One word per chunk; with `usage`, each chunk carries the running usage as vLLM's
-        `continuous_usage_stats` does (a prompt token per word of the last message)."""
-        prompt = len(text.split())
+    def produced(self, tally: Tally) -> tuple[int, int]:
+        """A stream's tokens so far, as the real engine's output processor says them."""
+        return tally.read(None)
+
+    async def _stream(self, text: str, tally: Tally | None, slower: float = 1, final_usage: bool = False,
+                      usage: bool = False) -> AsyncIterator[str]:
+        """One word per chunk (a prompt token per word of the last message, a completion token per word
+        sent), counted where the replica reads them (`produced`), on each chunk with `usage` (vLLM's
+        `continuous_usage_stats`) and in a last usage chunk with `final_usage` (`include_usage`)."""
+        prompt, words = len(text.split()), 0
+        engine_id = f"fake-{os.urandom(8).hex()}"
+        if tally is not None:
+            tally.submit(engine_id)
+            tally.final[engine_id] = (prompt, 0)
         self.unfinished += 1  # like an engine's running requests: the autoscaler's signal
         try:
             for i, word in enumerate(text.split()):
@@ -130,8 +145,13 @@ class FaultInjectingEngine(BaseEngine):
                 if usage:
                     chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": i + 1,
                                       "total_tokens": prompt + i + 1}
+                words = i + 1
+                if tally is not None:
+                    tally.final[engine_id] = (prompt, words)
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep((_pace(text) or 0.05) * slower)
+            if final_usage:
+                yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': prompt, 'completion_tokens': words}})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.unfinished -= 1

@@ -48,6 +48,12 @@ def _start(metrics_port: int | None, host: str) -> int:
 
     extra = init_metrics_port(metrics_port)
     os.environ.update(local_cluster_env())  # direct ingress, as `shunter serve` starts its cluster
+    # Serve's controller loop and metrics export at Ray's own pace (0.1 s each), not Shunter's quieter
+    # production one (shunter.cluster_quiet: 0.5 s and 1 s, for the idle tax a serving node pays): the
+    # suite waits on hundreds of Serve state changes (deploys, replacements, rollout steps, scale
+    # decisions) and measures no idle tax. Set here, for the clusters the tests start, and not for the
+    # whole session: renderings the unit tests compare must see Shunter's own values.
+    os.environ.update({"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"})
     # Replica processes import the fake engine from the repository's tests package.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **extra)
@@ -60,16 +66,31 @@ def _start(metrics_port: int | None, host: str) -> int:
         raise
 
 
-def _without_ledger_when_all_fake(args: dict[str, Any]) -> dict[str, Any]:
+def _without_services_it_does_not_test(args: dict[str, Any]) -> dict[str, Any]:
     """An app whose every model is the FAKE engine (the fault tests: routing, breakers, failover, draining,
     admission) runs without the usage ledger unless its config says otherwise: the ledger is one more
     replica to start and stop on every deploy (about 5 s on 2 cores), and the apps with real engines (the
-    keyed app's usage tests) test it."""
+    keyed app's usage tests) test it. No app runs the Files API's BatchService unless its config has a
+    `batch:` section (the keyed app's files tests), for the same reason."""
     sources = [m.get("source", "") for m in args.get("models", [])] + \
         [v.get("source", "") for m in args.get("models", []) for v in m.get("versions", [])]
+    if "batch" not in args:  # the same for the Files API's service: the modules that test it say so
+        args = {**args, "batch": {"enabled": False}}
     if "usage" in args or not sources or not all(str(s).startswith("fake:") for s in sources if s):
         return args
     return {**args, "usage": {"enabled": False}}
+
+
+def redeploy(args: dict[str, Any], name: str) -> None:
+    """Deploy `args` as app `name` on the running cluster, as `serve deploy` of a changed config does: only
+    the deployments whose arguments changed are replaced. Returns once the app is RUNNING."""
+    from ray import serve
+
+    from shunter.config import parse_config
+    from shunter.deployments.app import assemble
+
+    serve.run(assemble(parse_config(_without_services_it_does_not_test(args)), engine_factory=FACTORY), name=name,
+              route_prefix="/")
 
 
 @contextmanager
@@ -100,10 +121,10 @@ def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, 
     generation = _kept.get("generation")
     stopped_cleanly = False
     try:
-        app = assemble(parse_config(_without_ledger_when_all_fake(args)), engine_factory=FACTORY)
         if blocking:
-            serve.run(app, name=name, route_prefix="/")
+            redeploy(args, name)
         else:
+            app = assemble(parse_config(_without_services_it_does_not_test(args)), engine_factory=FACTORY)
             serve._run(app, _blocking=False, name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
         stopped_cleanly = True

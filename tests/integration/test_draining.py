@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,14 +76,33 @@ class Outcome:
         return json.loads(self.events[-1].removeprefix("data: ")).get("error", {}).get("code")
 
 
-def _stream(base: str, seconds: float, key: str = KEYS["other"]) -> Outcome:
+def _stream(base: str, seconds: float, key: str = KEYS["other"], running: threading.Event | None = None) -> Outcome:
+    """A stream of `seconds`; `running` is set once its first chunk has come (a replica is running it)."""
     words = int(seconds / 0.25)
-    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, headers=_auth(key), json={
-            "model": "drained", "stream": True,
-            "messages": [{"role": "user", "content": "pace=0.25 " + "w " * words}]}) as resp:
-        assert resp.status_code == 200
-        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, headers=_auth(key), json={
+                "model": "drained", "stream": True,
+                "messages": [{"role": "user", "content": "pace=0.25 " + "w " * words}]}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if running is not None:
+                        running.set()
+    finally:
+        if running is not None:
+            running.set()  # a failed stream must not leave the test waiting for it
     return Outcome(resp.headers[HEADER], events, words + 1)
+
+
+def _start_stream(pool: ThreadPoolExecutor, base: str, seconds: float, key: str = KEYS["other"]) -> Future[Outcome]:
+    """Start a stream and return once a replica is running it, so that the next one is routed knowing it
+    (least connections spreads the streams over the replicas)."""
+    running = threading.Event()
+    future = pool.submit(_stream, base, seconds, key, running)
+    assert running.wait(60), "the stream never started"
+    return future
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +134,9 @@ def test_leaving_replicas_finish_their_streams_and_abort_only_past_the_drain_tim
         longs: list[Future[Outcome]] = []
         shorts: list[Future[Outcome]] = []
         for i in range(2):  # one long and one short stream on each replica (least connections)
-            longs.append(pool.submit(_stream, base, 40, KEYS[f"long-{i}"]))
-            time.sleep(0.5)
+            longs.append(_start_stream(pool, base, 40, KEYS[f"long-{i}"]))
         for _ in range(2):
-            shorts.append(pool.submit(_stream, base, 4))
-            time.sleep(0.5)
+            shorts.append(_start_stream(pool, base, 4))
         serve.run(assemble(parse_config(_args(1)), engine_factory=FACTORY), name=APP, route_prefix="/")
         after = _replicas_serving(base)
         long_outcomes = [f.result() for f in longs]
@@ -153,9 +169,10 @@ def test_deleting_the_application_lets_a_stream_in_flight_finish(app):
 
     base, _ = app
     result: list[Outcome] = []
-    reader = threading.Thread(target=lambda: result.append(_stream(base, 4)))
+    running = threading.Event()
+    reader = threading.Thread(target=lambda: result.append(_stream(base, 4, running=running)))
     reader.start()
-    time.sleep(1)
-    serve.delete(APP)
+    assert running.wait(60), "the stream never started"
+    serve.delete(APP)  # with the stream in flight
     reader.join(timeout=60)
     assert result and result[0].complete, result[0].events[-1:] if result else "no answer"

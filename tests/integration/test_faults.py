@@ -84,20 +84,23 @@ def test_model_that_never_starts_gets_503_with_retry_after(fault_app):
 
 
 def test_full_replicas_give_503_after_the_queue_timeout(fault_app):
-    long_text = " ".join(f"w{i}" for i in range(100))  # about 5 s of streaming
+    """The one slot is held by a stream that would run for minutes (a word a second), and the second
+    request's client waits two at most: only the queue timeout can answer it, while the slot is still
+    held. The admitted stream goes on undisturbed. No clock is read: the order of events shows the bound."""
+    words = [f"w{i}" for i in range(200)]
     with httpx.stream("POST", f"{fault_app}/v1/chat/completions", timeout=60, json={
-            "model": "flaky", "stream": True, "messages": [{"role": "user", "content": long_text}]}) as busy:
-        lines = busy.iter_lines()
+            "model": "flaky", "stream": True,
+            "messages": [{"role": "user", "content": "pace=1 " + " ".join(words)}]}) as busy:
+        lines = (line for line in busy.iter_lines() if line.startswith("data: "))
         next(lines)  # the one replica slot is taken
-        started = time.monotonic()
-        resp = _chat(fault_app, "flaky", "me too")
-        waited = time.monotonic() - started
+        resp = _chat(fault_app, "flaky", "me too", timeout=120)
         assert resp.status_code == 503 and resp.headers["retry-after"]
-        assert resp.json()["error"]["code"] == "queue_timeout"
-        assert QUEUE_TIMEOUT_S - 0.5 < waited < QUEUE_TIMEOUT_S + 5
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]", "the admitted stream is not disturbed"
-    assert _chat(fault_app, "flaky", "free again").status_code == 200
+        error = resp.json()["error"]
+        assert error["code"] == "queue_timeout" and f"within {QUEUE_TIMEOUT_S:g}s" in error["message"], error
+        after = json.loads(next(lines).removeprefix("data: "))  # the admitted stream goes on, undisturbed
+        assert after["choices"][0]["delta"]["content"].strip() in words, after
+    # Leaving the stream gives its slot back (the gateway cancels the replica's work).
+    _wait(lambda: _chat(fault_app, "flaky", "free again").status_code == 200, 60, "the slot was never freed")
 
 
 def test_ready_names_the_model_that_is_not_ready(fault_app):
@@ -140,11 +143,14 @@ def _events(resp: httpx.Response) -> list[dict]:
 
 
 def test_a_reply_slower_than_the_request_timeout_is_a_504(fault_app):
-    started = time.monotonic()
-    resp = _chat(fault_app, "flaky", "pace=1 " + " ".join(f"w{i}" for i in range(30)), timeout=60)
+    # The reply would take 60 s; the client waits 40 s at most: a 504 at all means the gateway answered
+    # at its timeout, not at the reply's end.
+    resp = _chat(fault_app, "flaky", "pace=2 " + " ".join(f"w{i}" for i in range(30)), timeout=5 * REQUEST_TIMEOUT_S)
     assert resp.status_code == 504, resp.text
     assert resp.json()["error"]["code"] == "request_timeout" and f"{REQUEST_TIMEOUT_S:g}s" in resp.text
-    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 10, "answered at the timeout, not at the reply's end"
+    # The replica's work was cancelled with it: its one slot comes back well before the reply's 60 s.
+    _wait(lambda: _chat(fault_app, "flaky", "after the timeout").status_code == 200, 30,
+          "the timed-out reply kept its slot")
 
 
 def test_a_stream_past_the_request_timeout_ends_with_an_error_event(fault_app):

@@ -21,6 +21,19 @@ SCRAPE_S = 1.0
 RATES = {"a": 10, "b": 30}  # requests per second the feeder counts for each model
 
 
+def _scrapes(prometheus: Prometheus) -> int:
+    """How many scrapes of the exporter Prometheus holds (its `up` samples)."""
+    return sum(int(float(sample["value"][1])) for sample in prometheus.query("count_over_time(up[1h])"))
+
+
+def _wait_for_scrapes(prometheus: Prometheus, more: int, timeout_s: float = 60) -> None:
+    """Until Prometheus holds `more` scrapes than now: counted in Prometheus, not guessed from the interval."""
+    wanted, deadline = _scrapes(prometheus) + more, time.monotonic() + timeout_s
+    while _scrapes(prometheus) < wanted:
+        assert time.monotonic() < deadline, f"Prometheus scraped {_scrapes(prometheus)} times, not {wanted}"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def prometheus() -> Iterator[Prometheus]:
     registry = CollectorRegistry()
@@ -43,7 +56,7 @@ def prometheus() -> Iterator[Prometheus]:
         with Prometheus([f"127.0.0.1:{port}"], scrape_interval_s=SCRAPE_S) as running:
             running.wait_scraped(timeout_s=30)
             running.started = time.time()  # type: ignore[attr-defined]
-            time.sleep(6 * SCRAPE_S)  # enough scrapes for rate windows
+            _wait_for_scrapes(running, 6)  # enough for the rate windows below
             yield running
     finally:
         stop.set()

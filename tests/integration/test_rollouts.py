@@ -52,11 +52,9 @@ def app() -> Iterator[str]:
 @pytest.fixture
 def load(app: str) -> Iterator[Load]:
     running = Load(app, MODEL)
-    threads = running.start()
+    running.start()
     yield running
-    running.stop.set()
-    for t in threads:
-        t.join(timeout=90)
+    running.finish(timeout_s=90)
 
 
 def _replicas(deployment: str) -> int:
@@ -104,8 +102,7 @@ def test_killing_the_cli_and_the_control_actor_mid_rollout_loses_nothing(app, lo
     status = wait_done(app, MODEL)
     assert [e["weights"][other] for e in status["rollout"]["history"] if e["phase"] == "shifting"] == [10, 50, 100]
     assert status["live"] == [other]
-    load.stop.set()
-    time.sleep(1)
+    load.finish()  # every request in flight has ended: its outcome is among the results
     assert not load.failures(), load.failures()[:5]
 
 
@@ -120,8 +117,7 @@ def test_a_bad_version_is_rolled_back_and_the_old_one_never_stops(app, load, bad
     assert status["rollout"]["outcome"] == "rolled_back", timeline(status)
     assert why in status["rollout"]["history"][-2]["reason"], timeline(status)
     assert status["live"] == [serving] and _replicas(bad) == 0
-    load.stop.set()
-    time.sleep(1)
+    load.finish()  # every request in flight has ended: its outcome is among the results
     # A failed first attempt on the new version is served by the old one: the client sees no error.
     assert not load.failures(), load.failures()[:5]
     assert {r["version"] for r in load.results} <= {serving, bad}

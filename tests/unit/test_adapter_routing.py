@@ -195,7 +195,10 @@ def test_new_files_under_a_known_name_get_a_new_engine_id(tmp_path):
         old = models.lora_requests["a"].lora_int_id
         assert not adapters.register("a", models.lora_requests["a"].lora_path), "same files: nothing to do"
         assert adapters.register("a", _adapter_dir(tmp_path, "a-v2"))
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # the old weights are dropped in a task of their own: let it run
+            if engine.removed:
+                break
+            await asyncio.sleep(0.001)
         assert engine.removed == [old] and models.lora_requests["a"].lora_int_id != old
         assert adapters.held() == [], "the old weights are not the adapter any more"
         await adapters.ready("a")

@@ -21,17 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 BUCKET = "shunter-adapters"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
 def store(s3_endpoint, monkeypatch, tmp_path):
     """The bucket, with adapter `tune` (a config and a weights file) and a folder that is no adapter; the

@@ -258,3 +258,27 @@ def test_a_caller_that_never_retries_keeps_no_more_places_than_the_queue_bound()
     assert all(t is not None for t in told) and len(gate.places) == 4
     assert gate.try_admit(capacity=2, retry_key=("other", b"x")) is not None
     assert len(gate.places) == 5, "another caller still gets its place"
+
+
+def test_asking_whether_a_request_would_be_refused_changes_nothing_and_agrees_with_admitting_it():
+    """The door asks the gate before it parses a body (issue 39): the answer is `try_admit`'s verdict, and
+    asking neither admits, nor keeps a place, nor takes one."""
+    clock = Clock()
+    gate = AdmissionGate(max_queued=2, clock=clock)
+    for _ in range(10):  # a finish rate to keep places by
+        assert gate.try_admit(1) is None
+        clock.now += 0.5
+        gate.release()
+    for _ in range(3):
+        assert not gate.refuses(1, rank=0)
+        assert gate.try_admit(1) is None
+    assert gate.admitted == 3
+    assert gate.refuses(1, rank=0, retry_key=("k", b"d"))
+    assert gate.admitted == 3 and gate.places.kept_through(0) == 0, "asking kept no place"
+    retry = gate.try_admit(1, retry_key=("k", b"d"))
+    assert retry is not None and gate.places.kept_through(0) == 1
+    gate.release()
+    clock.now += retry
+    assert not gate.refuses(1, retry_key=("k", b"d")), "its retry, when due, is admitted on its place"
+    assert gate.places.kept_through(0) == 1, "and asking did not take the place"
+    assert gate.try_admit(1, retry_key=("k", b"d")) is None and gate.places.kept_through(0) == 0

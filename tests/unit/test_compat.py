@@ -340,6 +340,34 @@ def test_wrap_error_responses():
     assert not vllm_compat.wrap_error_responses(SimpleNamespace(), noting)
 
 
+def test_engine_core_processes():
+    import vllm.v1.engine.utils as engine_utils
+    import vllm.v1.utils as v1_utils
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    entry = "vllm_compat.engine_core_processes"
+    source = _source(CoreEngineProcManager)
+    _expect("get_mp_context()" in source and "context.Process(" in source
+            and "target=EngineCoreProc.run_engine_core" in source, entry, VLLM,
+            "CoreEngineProcManager no longer starts its cores with get_mp_context().Process(target=EngineCoreProc"
+            ".run_engine_core, ...)")
+    # What it and vllm.v1.utils.shutdown use of a process: shunter.engine_forkserver.ForkedProcess has each.
+    used = _source(engine_utils) + _source(v1_utils.shutdown)
+    import re
+
+    from shunter.engine_forkserver import ForkedProcess
+
+    members = set(re.findall(r"\bproc\.(\w+)", used))
+    _expect({"sentinel", "exitcode", "start"} <= members, entry, VLLM, "the process manager no longer watches "
+            "each process's sentinel and exit code")
+    lacking = {m for m in members if not hasattr(ForkedProcess, m) and m not in ("pid", "name", "daemon")}
+    _expect(not lacking, entry, VLLM, f"the process manager uses members ForkedProcess lacks: {sorted(lacking)}")
+    original, context = engine_utils.get_mp_context, object()
+    with vllm_compat.engine_core_processes(context):
+        _expect(engine_utils.get_mp_context() is context, entry, VLLM, "the context was not put in place")
+    _expect(engine_utils.get_mp_context is original, entry, VLLM, "vLLM's own context was not given back")
+
+
 def test_prompt_len():
     from vllm.entrypoints.serve.engine.serving import BaseServing
     from vllm.inputs import tokens_input
@@ -403,3 +431,65 @@ def test_lora_registry_and_serve_lora():
     registry.pop("a")
     _expect(asyncio.run(handler._check_model(SimpleNamespace(model="a"))) is not None, entry, VLLM,
             "vLLM's handlers still accept an adapter removed from OpenAIServingModels.lora_requests")
+
+
+def test_engine_arg_names_and_quantization_methods_read_from_source_are_vllms_own():
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    read, live = vllm_compat.engine_arg_names(), {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    _expect(read and read == live, "vllm_compat.engine_arg_names", VLLM,
+            f"the AsyncEngineArgs fields read from vLLM's source ({len(read)}) are not its dataclass fields "
+            f"({len(live)}): {sorted(read ^ live)[:8]}")
+    read, live = vllm_compat.quantization_methods(), set(QUANTIZATION_METHODS)
+    _expect(read and read == live, "vllm_compat.quantization_methods", VLLM,
+            f"the quantization methods read from vLLM's source are not QUANTIZATION_METHODS: {sorted(read ^ live)}")
+
+
+def test_registered_parser_names():
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    entry = "vllm_compat.registered_parser_names"
+    for kind, manager in (("tool_call_parser", ToolParserManager), ("reasoning_parser", ReasoningParserManager)):
+        read, registered = vllm_compat.registered_parser_names(kind), set(manager.list_registered())
+        _expect(read and read == registered, entry, VLLM,
+                f"the {kind} names read from vLLM's source ({len(read)}) are not those it registers "
+                f"({len(registered)}): {sorted(read ^ registered)[:8]}")
+
+
+def test_fix_cpu_lora_base_rows():
+    """vLLM's CPU shrink op reads the no-LoRA slot -1 as the last adapter's (the bug the entry mends), and
+    after the entry a token at -1 gets a zero row (no LoRA delta) while the others keep theirs."""
+    import importlib
+
+    import torch
+
+    entry = "vllm_compat.fix_cpu_lora_base_rows"
+    ops = importlib.import_module("vllm.lora.ops.torch_ops.lora_ops")
+    _expect(_params(ops.bgmv_shrink)[:4] == ["inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor"],
+            entry, VLLM, "bgmv_shrink(inputs, weights, output, indices, scaling) changed")
+    for holder in ("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"):
+        _expect(callable(getattr(importlib.import_module(holder), "bgmv_shrink", None)), entry, VLLM,
+                f"{holder} no longer holds bgmv_shrink")
+    inputs = torch.ones(2, 4)
+    weights = torch.stack([torch.full((1, 3, 4), 1.0), torch.full((1, 3, 4), 2.0)])  # two slots, rank 3
+    indices = torch.tensor([-1, 0])
+
+    def shrink() -> torch.Tensor:
+        out = torch.full((2, 3), 7.0)
+        importlib.import_module("vllm.lora.ops.torch_ops.lora_ops").bgmv_shrink(inputs, weights, out, indices, 1.0)
+        return out
+
+    if not getattr(ops.bgmv_shrink, "_shunter_base_rows", False):
+        _expect(shrink()[0].tolist() == [8.0, 8.0, 8.0], entry, VLLM,
+                "slot -1 no longer reads the last adapter: vLLM fixed it, and the entry can go")
+        assert vllm_compat.fix_cpu_lora_base_rows()
+    assert not vllm_compat.fix_cpu_lora_base_rows(), "applied once per process"
+    mended = shrink()
+    assert mended[0].tolist() == [0.0, 0.0, 0.0] and mended[1].tolist() == [4.0, 4.0, 4.0]
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    assert punica_cpu.bgmv_shrink is ops.bgmv_shrink  # the CPU wrapper calls the mended op

@@ -42,8 +42,8 @@ def _spec() -> EngineSpec:
 def test_the_interface_declares_what_the_replica_uses():
     assert set(METHODS) >= {"chat", "completion", "embedding", "responses", "messages", "warmup", "check_health",
                             "shutdown", "max_model_len", "dtype", "num_unfinished_requests", "prompt_lengths",
-                            "kv_cache_blocks", "block_size"}
-    assert set(OPTIONAL) == {"counters", "adapters", "prefix_view", "progress", "produced"}
+                            "kv_cache_blocks", "block_size", "process_ids"}
+    assert set(OPTIONAL) == {"counters", "adapters", "prefix_view", "progress", "produced", "start_phases"}
     assert set(ENDPOINTS) <= set(METHODS), "every endpoint the platform serves is an engine call"
 
 
@@ -65,6 +65,7 @@ def test_an_unstarted_vllm_engine_is_a_serving_engine_with_its_optional_members_
     assert engine.adapters is None and engine.prefix_view is None  # no LoRA, no precise prefix routing
     assert isinstance(engine.counters, EngineCounters)
     assert callable(engine.progress) and callable(engine.produced)
+    assert engine.start_phases is None, "set by VLLMEngine.start"
 
 
 def _factory_engines() -> list[type]:
@@ -90,7 +91,8 @@ def test_every_fake_engine_a_test_injects_is_a_serving_engine():
 
     engine = FaultInjectingEngine(_spec(), "replica-1")
     assert isinstance(engine, ServingEngine) and require_engine(engine) is engine
-    assert engine.produced is None and engine.adapters is None and engine.dtype() is None
+    assert engine.adapters is None and engine.dtype() is None
+    assert engine.produced is not None, "it counts a stream's tokens where the replica reads them, as vLLM's does"
 
 
 def test_unit_stand_ins_declare_what_they_write_as_the_interface_does():

@@ -17,6 +17,15 @@ from shunter.engine_usage import Tally, counting, request_tally
 pytestmark = pytest.mark.unit
 
 
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Let the other tasks run until `condition()` holds (their progress is what the next step needs)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.001)
+
+
 class Detokenizer:
     def __init__(self, tokens: int):
         self.tokens = tokens
@@ -103,12 +112,13 @@ class Engine:
     """AsyncLLM's generate: an async generator of outputs, closed (and so aborted) when cancelled."""
 
     def __init__(self, outputs: list[Output], wait: asyncio.Event | None = None):
-        self.outputs, self.wait, self.closed = outputs, wait, 0
+        self.outputs, self.wait, self.closed, self.waiting = outputs, wait, 0, 0
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any):
         try:
             for output in self.outputs:
                 if self.wait is not None:
+                    self.waiting += 1  # the request is in the engine, waiting for its output
                     await self.wait.wait()
                 yield output
         finally:
@@ -158,7 +168,7 @@ def test_a_cancelled_request_closes_the_engines_generator_so_vllm_aborts_it():
 
         task = asyncio.ensure_future(consume())  # the task copies the context: it sees the tally
         request_tally.reset(token)
-        await asyncio.sleep(0.01)
+        await until(lambda: engine.waiting)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -216,7 +226,7 @@ def test_a_whole_replys_heartbeats_carry_its_tokens_and_closing_the_call_aborts_
             if len(items) == 4:
                 break
         await replies.aclose()  # the gateway cancelled the call: its client left
-        await asyncio.sleep(0.02)
+        await until(lambda: engine.aborted)
         return items
 
     items = asyncio.run(run())

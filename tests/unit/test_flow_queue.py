@@ -20,6 +20,13 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
+async def until(condition) -> None:
+    """Let the other tasks run until `condition()` holds: their progress, not a span of time, is what the
+    next step needs (`_run` bounds the whole test)."""
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 def test_admitted_requests_beyond_capacity_wait_in_arrival_order_and_go_as_slots_free():
     async def run() -> list[int]:
         queue = FlowQueue(lambda: 2)
@@ -30,11 +37,11 @@ def test_admitted_requests_beyond_capacity_wait_in_arrival_order_and_go_as_slots
             started.append(i)
 
         tasks = [asyncio.create_task(request(i)) for i in range(6)]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(started) == 2 and queue.depth == 4)
         assert started == [0, 1] and queue.depth == 4 and queue.dispatched == 2
-        for _ in range(4):
+        for n in range(3, 7):
             queue.leave()
-            await asyncio.sleep(0.01)
+            await until(lambda n=n: len(started) == n)  # the next waiter is on its way before the next slot
         await asyncio.gather(*tasks)
         assert queue.dispatched == 2 and queue.depth == 0
         return started
@@ -48,7 +55,7 @@ def test_a_model_with_no_capacity_still_sends_one_request_so_ray_starts_a_replic
         queue = FlowQueue(lambda: capacity[0], tick_s=0.02)
         assert await queue.enter(timeout_s=1), "the one that starts a replica"
         waiting = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.1)
+        await until(lambda: waiting.done() or queue.depth == 1)
         assert not waiting.done() and queue.depth == 1
         capacity[0] = 4  # a replica started: noticed without any request ending
         assert await waiting
@@ -63,9 +70,9 @@ def test_a_request_that_waits_too_long_or_whose_client_leaves_holds_nothing():
         assert not await queue.enter(timeout_s=0.05), "timed out"
         gone = asyncio.create_task(queue.enter(timeout_s=5))
         later = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.02)
+        await until(lambda: queue.depth == 2)
         gone.cancel()
-        await asyncio.sleep(0.02)
+        await until(gone.done)
         queue.leave()
         assert await later, "the next live waiter gets the slot the cancelled one gave up"
         assert queue.dispatched == 1 and queue.depth == 0
@@ -78,7 +85,7 @@ def test_a_request_cancelled_as_its_turn_came_gives_the_turn_back():
         queue = FlowQueue(lambda: 1)
         assert await queue.enter(timeout_s=1)
         waiter = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.01)
+        await until(lambda: queue.depth == 1)
         queue.leave()  # its turn comes ...
         waiter.cancel()  # ... and its client leaves before it runs
         with contextlib.suppress(asyncio.CancelledError):
@@ -94,11 +101,12 @@ def test_turns_given_up_do_not_hold_back_the_next_request():
         queue = FlowQueue(lambda: capacity[0], tick_s=60)  # no tick to rescue a stuck request
         assert await queue.enter(timeout_s=1)
         gone = asyncio.create_task(queue.enter(timeout_s=5))
-        await asyncio.sleep(0.01)
+        await until(lambda: queue.depth == 1)
         gone.cancel()
-        await asyncio.sleep(0.01)
+        await until(gone.done)
         capacity[0] = 2  # a replica started; nothing ended
-        assert await asyncio.wait_for(queue.enter(timeout_s=5), 0.5), "room and no live waiter: no wait"
+        # Nothing else can let it in (no tick, nothing ends): held back, it would time out and say False.
+        assert await queue.enter(timeout_s=5), "room and no live waiter: no wait"
 
     _run(run())
 

@@ -1,6 +1,7 @@
 """The forward pipeline, whole replies and streams, end to end in one process: the real Forwarder, door,
 body reader, serving state, relay and RequestEnd, in front of a stand-in replica (a recording handle whose
-stream speaks the replica protocol) and a recording traffic record. What is checked is what each ending
+stream speaks the replica protocol: its engine's SSE texts through the replica's real StreamReader,
+`EngineStream`) and a recording traffic record. What is checked is what each ending
 leaves behind: the version's outcome for rollouts, the admission slot, the routers' in-flight count; and
 that a refusal is the endpoint's own response, in its API's error envelope. (Every ending, for every
 endpoint, is enumerated in tests/unit/test_request_end.py.)"""
@@ -16,18 +17,80 @@ from starlette.requests import Request
 
 from shunter.config import parse_config
 from shunter.deployments.gateway.access import AccessControl, Ticket
+from shunter.deployments.gateway.context import Ending
 from shunter.deployments.gateway.forward import Forwarder
 from shunter.deployments.gateway.lora import LiveAdapters
+from shunter.deployments.gateway.priority import PRIORITY_HEADER
 from shunter.deployments.gateway.request_body import BodyReader
+from shunter.deployments.gateway.request_end import RequestEnd
 from shunter.deployments.gateway.serving_state import ServingState
-from shunter.endpoints import CHAT, MESSAGES, Endpoint
-from shunter.replica_protocol import Accepted, ReplyHead, Working
+from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body
+from shunter.endpoints import CHAT, ENDPOINTS, MESSAGES, Endpoint
+from shunter.replica_protocol import Accepted, ReplyHead, StreamChunk, StreamEnd, Working
+from shunter.wire_formats import WireFormat
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Let the other tasks run until `condition()` holds (their progress, not a span of time, is what the
+    next step needs); fails after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.001)
 
 pytestmark = pytest.mark.unit
 
 CONFIG = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct"}]})
 MODEL = CONFIG.models[0]
-TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+USAGE = 'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+DONE = "data: [DONE]\n\n"
+
+
+class EngineStream:
+    """What a replica makes of its engine's stream (shunter.deployments.replica.model_server): each SSE text
+    through the replica's real StreamReader, beside the engine's running count, then the reader's
+    StreamEnd. The count stands in for the engine's per-request state: `prompt` tokens from the start and
+    one completion token more with each text that carries one (content in a choice, a typed delta);
+    `counted=False`: an engine that cannot say (the final usage alone counts)."""
+
+    def __init__(self, wire: WireFormat, prompt: int = 3, usage_chunk_wanted: bool = False, counted: bool = True):
+        self.wire, self.prompt, self.completion = wire, prompt, 0
+        self.reader = StreamReader(wire, self.counts if counted else None, usage_chunk_wanted)
+
+    @classmethod
+    def of(cls, request: Any, prompt: int = 3, counted: bool = True) -> EngineStream:
+        """For a request as the replica gets it: the client's own `include_usage` decides whether the final
+        usage chunk (which the replica always has the engine send) reaches the client."""
+        wire = ENDPOINTS[request.endpoint].wire
+        return cls(wire, prompt, engine_stream_body(request.body, wire)[1], counted)
+
+    def counts(self) -> tuple[int, int]:
+        return self.prompt, self.completion
+
+    def chunk(self, text: str) -> StreamChunk | None:
+        """The engine produced `text`: what the replica yields for it (None: dropped)."""
+        if self._is_token(text):
+            self.completion += 1
+        return self.reader.chunk(text)
+
+    def end(self) -> StreamEnd:
+        return self.reader.end()
+
+    def all(self, texts: list[str]) -> list[StreamChunk | StreamEnd]:
+        """A whole stream of `texts`, as the replica yields it: its chunks, then its end."""
+        return [c for c in map(self.chunk, texts) if c is not None] + [self.end()]
+
+    def _is_token(self, text: str) -> bool:
+        if self.wire.typed_events:
+            return self.wire.read_event(text).token
+        try:
+            data = json.loads(text.removeprefix("data: "))
+        except ValueError:
+            return False
+        choices = data.get("choices") if isinstance(data, dict) else None
+        return any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices or [])
 
 
 class ReplicaStream:
@@ -52,8 +115,8 @@ class ReplicaStream:
 
 
 class Replica:
-    """A handle whose calls answer like a ModelServer replica (Accepted, the head, then SSE chunks), and
-    that tells the routing state where it sent each request, as Shunter's router does."""
+    """A handle whose calls answer like a ModelServer replica (Accepted, the head, then a stream's chunks
+    and its end), and that tells the routing state where it sent each request, as Shunter's router does."""
 
     deployment_name, app_name = "model-m", "forward-test"
 
@@ -71,7 +134,7 @@ class Replica:
         self.routing.dispatched("replica-1", request.request_id)
         head = ReplyHead(200, None, True) if request.body.get("stream") is True else \
             ReplyHead(200, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
-        rest = [TOKEN, "data: [DONE]\n\n"] if head.stream else []
+        rest = EngineStream.of(request).all([TOKEN, USAGE, DONE]) if head.stream else []
         return ReplicaStream([Accepted("replica-1"), head, *rest])
 
 
@@ -145,9 +208,21 @@ def test_a_stream_records_the_versions_success_when_its_relay_ends(pipeline):
         return "".join([chunk async for chunk in response.body_iterator])
 
     text = asyncio.run(run())
-    assert '"content":"hi"' in text and '"usage"' not in text and text.endswith("data: [DONE]\n\n")
+    assert text == TOKEN + DONE, "the replica's bytes, without the usage chunk the client did not ask for"
     assert traffic.records == [("default", True)]
     assert forwarder.state.gate(MODEL).admitted == 0 and replica.routing.load("replica-1") == 0
+
+
+def test_a_streams_usage_chunk_reaches_the_client_that_asked_for_it(pipeline):
+    """The client's `stream_options` reach the replica unchanged, and the replica's reader keeps the
+    usage chunk for the client that asked for it."""
+    forwarder, _, _ = pipeline
+
+    async def run() -> str:
+        response = await forwarder.forward(_request(_body(stream=True, stream_options={"include_usage": True})), CHAT)
+        return "".join([chunk async for chunk in response.body_iterator])
+
+    assert asyncio.run(run()) == TOKEN + USAGE + DONE
 
 
 class LongReplica(Replica):
@@ -186,7 +261,8 @@ def test_a_client_that_leaves_a_whole_reply_stops_the_replica_and_is_charged_wha
 
     async def run() -> None:
         task = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
-        await asyncio.sleep(0.1)  # taken, and its progress reported: the reply is being computed
+        # Taken, and its progress read (the replica's stream waits for its next item): being computed.
+        await until(lambda: replica.streams and not replica.streams[0].items)
         assert replica.routing.load("replica-1") == 1 and forwarder.state.gate(MODEL).admitted == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -243,11 +319,11 @@ def test_a_client_that_leaves_while_its_request_waits_for_a_slot_frees_the_place
                         settled.append((str(status), reached_engine)))
 
     async def run() -> None:
-        running = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
-        await asyncio.sleep(0.1)
-        waiting = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
-        await asyncio.sleep(0.1)
         queue = forwarder.state.dispatch(model)
+        running = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
+        await until(lambda: replica.streams)
+        waiting = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
+        await until(lambda: queue.depth == 1)
         assert queue.dispatched == 1 and queue.depth == 1 and forwarder.state.gate(model).admitted == 2
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -307,9 +383,9 @@ def test_a_refused_requests_retry_finds_the_place_its_refusal_kept_and_a_newcome
 
     async def run() -> None:
         running = ask("running")
-        await asyncio.sleep(0.05)
+        await until(lambda: queue.dispatched == 1)
         first, second = ask("first"), ask("second")
-        await asyncio.sleep(0.05)
+        await until(lambda: queue.depth == 2)
         assert queue.depth == 2 and gate.admitted == 3, "the bound (1 + 2) is full"
         refused = await ask("refused")
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
@@ -321,12 +397,60 @@ def test_a_refused_requests_retry_finds_the_place_its_refusal_kept_and_a_newcome
         assert newcomer.status_code == 429, "the freed place is the refused request's"
         assert len(gate.places) == 2, "the newcomer keeps a place after it"
         retry = ask("refused")
-        await asyncio.sleep(0.05)
+        await until(lambda: retry.done() or queue.depth == 2)
         assert not retry.done() and queue.depth == 2, "admitted beyond the bound on its place: it waits its turn"
         assert len(gate.places) == 1
         for task in (retry, second, running):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+
+    asyncio.run(run())
+
+
+def test_a_full_models_request_is_refused_before_its_body_is_parsed_and_settled_once(monkeypatch):
+    """Issue 39: in a burst the refusals are the many, so a full model's refusal costs no parsing and no
+    prompt rendering; it is still a whole refusal: the same 429 and Retry-After, the priority header, the
+    flow's refusal count and one settle. A request the door cannot class from its raw JSON goes through
+    the whole door, which refuses it the same way after parsing."""
+    config = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct",
+                                       "max_ongoing_requests": 1, "admission": {"max_queued_requests": 0}}]})
+    replica = LongReplica()
+    forwarder, _, _ = build_pipeline(config, {"m": replica})
+    import shunter.deployments.gateway.forward as forward_module
+
+    parsed: list[str] = []
+    real_parse = forward_module.parse
+
+    async def counting_parse(request: Any, endpoint: Any, body: dict[str, Any]) -> Any:
+        parsed.append(str(body.get("service_tier")))
+        return await real_parse(request, endpoint, body)
+
+    monkeypatch.setattr(forward_module, "parse", counting_parse)
+    settled: list[str] = []
+    monkeypatch.setattr(Ticket, "settle", lambda self, status, prompt, completion, reached_engine:
+                        settled.append(str(status)))
+    outcomes: list[Any] = []
+    original_settle = RequestEnd.settle
+    monkeypatch.setattr(RequestEnd, "settle", lambda self, outcome: (outcomes.append(outcome.ending),
+                                                                     original_settle(self, outcome)))
+
+    async def run() -> None:
+        running = asyncio.ensure_future(forwarder.forward(_request(_body()), CHAT))
+        await until(lambda: replica.streams)  # through the door and on to the replica
+        assert parsed == ["None"] and forwarder.state.gate(config.models[0]).admitted == 1
+        full = await forwarder.forward(_request(_body()), CHAT)
+        assert full.status_code == 429 and full.headers["Retry-After"]
+        assert full.headers[PRIORITY_HEADER] == "standard"
+        assert json.loads(full.body)["error"]["code"] == "queue_full"
+        assert parsed == ["None"], "refused before its body was parsed"
+        assert outcomes[-1] is Ending.REFUSED, "settled as a refusal"
+        assert settled == [], "no quota was reserved, so none is given back"
+        # A `service_tier` only the parsed request can read: the whole door refuses it, after parsing.
+        odd = await forwarder.forward(_request({**_body(), "service_tier": {"tier": "flex"}}), CHAT)
+        assert odd.status_code in (400, 429) and len(parsed) == 2
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
 
     asyncio.run(run())

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from shunter.cli import load_app_configs
+from shunter.cluster_quiet import QUIET, quiet_env
 from shunter.ingress import (
     HA_PROXY,
     HAPROXY_BINARY,
@@ -26,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def environ(monkeypatch):
-    for name in (HA_PROXY, HAPROXY_THREADS, HAPROXY_BINARY, "SHUNTER_INGRESS", MIN_DRAINING):
-        monkeypatch.delenv(name, raising=False)
+    for name in (HA_PROXY, HAPROXY_THREADS, HAPROXY_BINARY, "SHUNTER_INGRESS", MIN_DRAINING, *QUIET):
+        monkeypatch.delenv(name, raising=False)  # the suite's own pace (tests/integration/local_app.py) aside
     return monkeypatch
 
 
@@ -93,9 +94,9 @@ def test_a_local_cluster_keeps_an_operator_s_drain_period_and_says_no_when_off(e
     environ.setenv(MIN_DRAINING, "30")
     assert local_cluster_env()[MIN_DRAINING] == "30"
     # Said explicitly, so a cluster started after one with direct ingress (same process) is without it.
-    assert local_cluster_env(direct=False) == {HA_PROXY: "0"}
+    assert local_cluster_env(direct=False) == {HA_PROXY: "0", **quiet_env()}
     environ.setenv("SHUNTER_INGRESS", "proxy")
-    assert local_cluster_env() == {HA_PROXY: "0"}
+    assert local_cluster_env() == {HA_PROXY: "0", **quiet_env()}
     assert local_cluster_env(direct=True)[HA_PROXY] == "1"  # a caller's explicit choice
 
 
@@ -110,5 +111,21 @@ def test_every_kuberay_pod_runs_serve_behind_haproxy(environ):
             assert {"name": HAPROXY_THREADS, "value": "1"} in container["env"], container["name"]
     environ.setenv("SHUNTER_INGRESS", "proxy")
     manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
-    assert "env" not in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert HA_PROXY not in {e["name"] for e in env}, "Ray's proxy actor: no ingress variable at all"
 
+
+def test_every_cluster_runs_serve_s_periodic_work_at_shunter_s_pace_unless_the_operator_says(environ):
+    """Issue 39, no idle tax: Serve's controller loop and metrics export slowed, on a local cluster with or
+    without direct ingress and on every KubeRay pod; an operator's own value wins."""
+    for env in (local_cluster_env(), local_cluster_env(direct=False)):
+        assert {name: env[name] for name in QUIET} == QUIET
+    path = ROOT / "configs" / "gpu-llama-8b.yaml"
+    manifest = render_rayservice(yaml.safe_load(path.read_text()), load_app_configs(path), "img:1")
+    pods = [manifest["spec"]["rayClusterConfig"]["headGroupSpec"],
+            *manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    for pod in pods:
+        env = {e["name"]: e["value"] for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert {name: env[name] for name in QUIET} == QUIET
+    environ.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    assert local_cluster_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"

@@ -128,9 +128,9 @@ def test_a_config_with_key_env_keys_has_every_container_read_the_api_keys_secret
 
 # ---- the usage ledger's volume -----------------------------------------------------------------------------
 
-def _small_app(usage: dict | None = None) -> tuple[dict, list]:
+def _small_app(usage: dict | None = None, batch: dict | None = None) -> tuple[dict, list]:
     args = {"models": [{"name": "small", "source": "org/small", "accelerator_type": "L4"}], "auth": {"anonymous": True},
-            **({"usage": usage} if usage is not None else {})}
+            **({"usage": usage} if usage is not None else {}), **({"batch": batch} if batch is not None else {})}
     raw = {"applications": [{"name": "s", "import_path": "shunter.deployments.app:build_app", "route_prefix": "/",
                              "args": args}]}
     return raw, [("s", parse_config(args))]
@@ -149,9 +149,14 @@ def test_the_head_pod_keeps_the_usage_ledger_on_a_persistent_volume_claim():
     assert head["securityContext"] == {"fsGroup": 100}, "the Ray image's user may write the volume"
     for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:  # the ledger runs on the head only
         assert "usage" not in str(group["template"]["spec"]["volumes"])
-    raw, apps = _small_app({"enabled": False, "path": "/elsewhere/u.db"})
+    raw, apps = _small_app({"enabled": False, "path": "/elsewhere/u.db"}, {"enabled": False})
     plain = render_rayservice(raw, apps, "img")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
-    assert "securityContext" not in plain and len(plain["volumes"]) == 1, "no ledger, no volume"
+    assert "securityContext" not in plain and len(plain["volumes"]) == 1, "no ledger and no files, no volume"
+    # The Files API's state in PostgreSQL and its bytes in an object store need no volume either.
+    raw, apps = _small_app({"enabled": False}, {"state": "postgresql://shunter@db:5432/shunter",
+                                                "files": "s3://bucket/files"})
+    plain = render_rayservice(raw, apps, "img")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert len(plain["volumes"]) == 1
 
 
 @pytest.mark.parametrize("path", ["/data/usage.sqlite3", "~/usage.sqlite3", "~/.shunter/../usage.sqlite3",
@@ -163,6 +168,13 @@ def test_a_ledger_off_the_volume_is_refused(path):
     for fine in ("~/.shunter/usage.sqlite3", "/home/ray/.shunter/tenants/usage.db"):
         raw, apps = _small_app({"path": fine})
         assert render_rayservice(raw, apps, "img")["kind"] == "RayService"
+
+
+@pytest.mark.parametrize("batch", [{"state": "/data/batch.sqlite3"}, {"files": "~/files"}])
+def test_the_files_apis_state_off_the_volume_is_refused(batch):
+    raw, apps = _small_app(None, batch)
+    with pytest.raises(ValueError, match=f"application 's': batch.{next(iter(batch))}"):
+        render_rayservice(raw, apps, "img")
 
 
 def test_the_cli_writes_the_volume_claim_beside_the_rayservice_when_asked(tmp_path):

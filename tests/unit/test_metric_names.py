@@ -13,7 +13,7 @@ import pytest
 
 MODULES = ["shunter.deployments.gateway.telemetry", "shunter.deployments.gateway.access", "shunter.deployments.gateway.tiering",
            "shunter.deployments.gateway.usage",
-           "shunter.deployments.replica.telemetry", "shunter.routing.metrics"]
+           "shunter.deployments.replica.telemetry", "shunter.routing.metrics", "shunter.deployments.batch.metrics"]
 
 
 @pytest.mark.parametrize("name", MODULES)

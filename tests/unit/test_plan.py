@@ -16,7 +16,17 @@ def test_two_cpu_engines_on_two_cores_get_one_core_each():
     plans = plan_deployments(parse_config({"models": [SMOL, MINI]}), CPU2)
     for plan in (p for versions in plans.values() for p in versions.values()):
         assert plan["accelerator"] == "cpu" and plan["cpu_cores"] == 1
-        assert plan["deployment"]["ray_actor_options"] == {"num_cpus": 1}
+        assert plan["deployment"]["ray_actor_options"]["num_cpus"] == 1
+
+
+def test_a_cpu_replica_is_forked_from_the_nodes_server_unless_its_engine_spawns():
+    from shunter.worker_fork import EXECUTABLE
+
+    forked = plan_deployments(parse_config({"models": [SMOL]}), CPU2)["smol"]["default"]["deployment"]
+    assert forked["ray_actor_options"]["runtime_env"] == {"py_executable": EXECUTABLE}
+    spawned = plan_deployments(parse_config({"models": [{**SMOL, "engine": {"process_start": "spawn"}}]}),
+                               CPU2)["smol"]["default"]["deployment"]
+    assert "runtime_env" not in spawned["ray_actor_options"], "spawn: Ray starts the worker as it always does"
 
 
 def test_a_lone_cpu_engine_gets_every_core():
@@ -174,3 +184,18 @@ def test_config_check_and_plan_refuse_it_with_the_same_message(monkeypatch, tmp_
     out = capsys.readouterr().out
     assert "mini: CPU, shared cores (owns none)" in out and "CPU cores: 2 of this machine's 2 at start" in out
     assert shunter(["config", "check", config(shared)]) == 0
+
+
+def test_the_gateway_runs_its_code_on_its_http_servers_loop_and_reserves_no_cpu():
+    """Issue 39: the gateway's streams go to uvicorn without crossing Serve's user-code thread; the
+    variable reaches only the gateway's processes (its runtime_env), never a model replica's."""
+    from shunter.deployments.app import assemble
+
+    app = assemble(parse_config({"models": [SMOL]}))
+    gateway = app._bound_deployment
+    options = gateway.ray_actor_options
+    assert options["num_cpus"] == 0
+    assert options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    servers = next(arg for arg in gateway.init_args if isinstance(arg, dict) and "smol" in arg)
+    server = servers["smol"]["default"]._bound_deployment
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in str(server.ray_actor_options)

@@ -152,3 +152,28 @@ def test_a_config_passed_on_as_a_dict_keeps_the_default_classes_waits_cut():
                                           "limits": {"request_timeout_s": 8, "stream_idle_timeout_s": 5}}}
     again = parse_config(parse_config(raw).model_dump())
     assert again.flow_control.default_classes
+
+
+def test_the_class_read_before_parsing_is_the_one_the_parsed_request_gets_or_none():
+    """The door refuses a full model's requests before it parses their bodies (issue 39), by the class read
+    from the raw JSON: wherever that read decides, it agrees with `resolve`; where it cannot tell, or the
+    request will be refused for its class, it says None and the whole door decides."""
+    cfg = config([{"name": "jobs", "priority_class": "batch"}, {"name": "plain"}])
+    classes = PriorityClasses(cfg.flow_control)
+    jobs, plain = caller(cfg, "jobs"), caller(cfg, "plain")
+    cases = [(who, fields, headers) for who in (ANONYMOUS, jobs, plain)
+             for fields in ({}, {"service_tier": "flex"}, {"service_tier": "priority"}, {"service_tier": None},
+                            {"service_tier": "scale"}, {"service_tier": 7}, {"priority": 3}, {"priority": "1"})
+             for headers in ({}, {PRIORITY_HEADER: "batch"}, {PRIORITY_HEADER: "urgent"})]
+    decided = 0
+    for who, fields, headers in cases:
+        early = classes.early(who, {"model": "chat", "messages": [USER], **fields}, headers)
+        try:
+            later = classes.resolve(who, chat(**fields), headers)
+        except (ApiError, ValueError):
+            later = None
+        if early is not None:
+            decided += 1
+            assert early == later, (who.name, fields, headers)
+    assert decided >= 10
+    assert classes.early(jobs, {"messages": [USER], "service_tier": ["flex"]}, {}) is None

@@ -162,7 +162,7 @@ class _Server:
         return {"replica": hint.pin, "retiring": within_s is not None, "unfinished_requests": 0}
 
 
-MODEL = SimpleNamespace(name="m", versioned=False, autoscaling=None, version_names=lambda: ["default"])
+MODEL = SimpleNamespace(name="m", versioned=False, autoscaling=None, fewest_replicas=1, standby_replicas=0, version_names=lambda: ["default"])
 
 
 def _memory_control() -> ShunterControl:

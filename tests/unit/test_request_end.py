@@ -4,11 +4,16 @@ version's rollout record, the admission slot and dispatch turn, telemetry, the c
 request's own `on_outcome` callbacks.
 
 Two parts. First, the real RequestEnd, standard hooks, AdmissionGate, FlowQueue, DrainTracker,
-RequestTelemetry, StreamFilter, stream relay and ASGI guard, around recording stand-ins for the replica's
+RequestTelemetry, StreamAccount, stream relay and ASGI guard, around recording stand-ins for the replica's
 stream, the routing state and the quota ticket (each counts what was done to it). Then the enumeration:
 every ending, whole and streamed, for every endpoint, driven through the real Forwarder (under the
 gateway's ASGI guard, as in production) in front of a scripted stand-in replica speaking each endpoint's
 own stream format, with counting hooks in place of the gateway's.
+
+A stand-in replica's stream is written as the events its engine sends; it yields what a real replica
+makes of them (issue 39: relay bytes, not objects): each through the replica's real StreamReader beside a
+stand-in engine count (`tests.unit.test_forward.EngineStream`), then the stream's StreamEnd. So the usage
+chunk a client did not ask for is dropped by the replica's reader, before the gateway.
 """
 
 from __future__ import annotations
@@ -59,14 +64,14 @@ from shunter.deployments.gateway.request_end import (
     settle_quota,
     standard_hooks,
 )
-from shunter.deployments.gateway.stream_filter import StreamFilter
+from shunter.deployments.gateway.stream_account import StreamAccount
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.usage import record_usage
 from shunter.endpoints import CHAT, ENDPOINTS, MESSAGES, Endpoint, ParsedRequest
 from shunter.replica_protocol import Accepted, ReplyHead, Working
 from shunter.usage_ledger import UsageRecord
-from shunter.wire_formats import anthropic_error
-from tests.unit.test_forward import Replica, _request, build_pipeline
+from shunter.wire_formats import OPENAI_CHUNKS, anthropic_error
+from tests.unit.test_forward import EngineStream, Replica, _request, build_pipeline
 
 pytestmark = pytest.mark.unit
 
@@ -78,22 +83,30 @@ ENGINE_ERROR = 'data: {"error":{"message":"engine died","code":500}}\n\n'
 
 
 class ReplicaStream:
-    """The replica's response: yields `items` (an exception instance is raised), then stops; or hangs."""
+    """The replica's response to a chat stream whose engine sends `events` (an exception instance is raised
+    where it stands: the replica broke): each event as the replica yields it (`EngineStream`; `counted`:
+    the engine says its running count), then the stream's end; or, with `hang`, silence after them."""
 
-    def __init__(self, items: list[Any], hang: bool = False):
-        self.items, self.hang, self.cancels = list(items), hang, 0
+    def __init__(self, events: list[Any], hang: bool = False, counted: bool = True):
+        self.items, self.hang, self.cancels = list(events), hang, 0
+        self.engine, self.ended = EngineStream(OPENAI_CHUNKS, prompt=5, counted=counted), False
 
     def __aiter__(self) -> ReplicaStream:
         return self
 
     async def __anext__(self) -> Any:
-        if self.items:
+        while self.items:
             item = self.items.pop(0)
             if isinstance(item, BaseException):
                 raise item
-            return item
+            chunk = self.engine.chunk(item)
+            if chunk is not None:
+                return chunk
         if self.hang:
             await asyncio.sleep(3600)
+        if not self.ended:
+            self.ended = True
+            return self.engine.end()
         raise StopAsyncIteration
 
     def cancel(self) -> None:
@@ -166,7 +179,9 @@ class Request:
 
     def body(self, started: Started, limits: LimitsConfig = LIMITS) -> Any:
         """The client's stream, as the forward pipeline builds it."""
-        return relay(started, self.end, StreamFilter(self.ctx.parsed, self.ctx.usage, self.tel.token), limits)
+        account = StreamAccount(self.ctx.usage, self.tel.token)
+        first = account.take(started.first_chunk) if started.first_chunk is not None else None
+        return relay(started, self.end, account, first, limits)
 
     def assert_settled_once(self, ending: Ending, status: int | str, cancelled: bool, outcome: list[bool]) -> None:
         assert self.end.settled and self.tel._done
@@ -260,10 +275,11 @@ def test_settling_twice_does_nothing_the_second_time():
 
 # ---- streams: the relay settles them however they end ------------------------------------------------------
 
-def test_a_stream_served_whole_is_a_200_with_its_tokens_counted():
-    req = Request(ReplicaStream([TOKEN, TOKEN, USAGE]), streamed=True)
+@pytest.mark.parametrize("counted", [True, False], ids=["engine_counts", "final_usage_only"])
+def test_a_stream_served_whole_is_a_200_with_its_tokens_counted(counted):
+    req = Request(ReplicaStream([TOKEN, TOKEN, USAGE], counted=counted), streamed=True)
     chunks = asyncio.run(drain_relay(req, req.answered()))
-    assert chunks == [TOKEN, TOKEN]  # the usage chunk the client did not ask for is dropped
+    assert chunks == [TOKEN, TOKEN]  # the usage chunk the client did not ask for is dropped (by the replica)
     req.assert_settled_once(Ending.SERVED, 200, cancelled=False, outcome=[True])
     assert req.ticket.settles == [("200", 5, 2)]
     assert req.routing.outcomes == [False], "a success for the replica's breaker"
@@ -288,6 +304,7 @@ def test_a_client_that_hangs_up_mid_stream_is_a_499_and_stops_the_replica():
     req = Request(ReplicaStream([TOKEN, TOKEN, TOKEN]), streamed=True)
     asyncio.run(drain_relay(req, req.answered(), stop_after=1))
     req.assert_settled_once(Ending.CLIENT_GONE, CLIENT_GONE, cancelled=True, outcome=[])
+    assert req.ticket.settles == [("499", 5, 1)], "charged what the engine had produced when it was cut"
 
 
 @pytest.mark.parametrize(("limits", "code"), [
@@ -444,8 +461,12 @@ HANG, SLOW, DEPART = _Hang(), _Slow(), _Depart()
 
 
 class ScriptedStream:
-    def __init__(self, items: list[Any], replica: ScriptedReplica):
-        self.items, self.replica, self.cancelled = items, replica, False
+    """One call's answer: the script's replica-protocol items as they are, and its engine's SSE texts as the
+    replica yields them (`EngineStream`), a streamed reply ending with its StreamEnd when the script runs out."""
+
+    def __init__(self, items: list[Any], replica: ScriptedReplica, engine: EngineStream):
+        self.items, self.replica, self.engine, self.cancelled = items, replica, engine, False
+        self.streams = self.ended = False  # its head said a stream follows; its end was sent
 
     def __aiter__(self) -> ScriptedStream:
         return self
@@ -453,11 +474,14 @@ class ScriptedStream:
     async def __anext__(self) -> Any:
         while True:
             if not self.items:
+                if self.streams and not self.ended:
+                    self.ended = True
+                    return self.engine.end()
                 raise StopAsyncIteration
             item = self.items[0]
             if item is SLOW:
                 await asyncio.sleep(0.01)
-                return self.replica.wire.token(1)
+                return self.engine.chunk(self.replica.wire.token)
             self.items.pop(0)
             if item is HANG:
                 self.replica.hanging = True
@@ -467,7 +491,12 @@ class ScriptedStream:
                 self.replica.routing.sync_replicas([])
             elif isinstance(item, BaseException):
                 raise item
+            elif isinstance(item, str):
+                chunk = self.engine.chunk(item)
+                if chunk is not None:
+                    return chunk
             else:
+                self.streams = self.streams or (isinstance(item, ReplyHead) and item.stream)
                 return item
 
     def cancel(self) -> None:
@@ -486,7 +515,7 @@ class ScriptedReplica(Replica):
 
     def remote(self, request: Any) -> ScriptedStream:
         self.routing.dispatched("replica-1", request.request_id)
-        stream = ScriptedStream(list(self.script), self)
+        stream = ScriptedStream(list(self.script), self, EngineStream.of(request, prompt=self.wire.usage[0]))
         self.streams.append(stream)
         return stream
 
@@ -501,23 +530,23 @@ def _data(data: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Wire:
-    """One endpoint, as its client sends it and its replica answers it: the request body, the whole reply,
-    and its stream's events (the first ones, a token with the completion tokens so far, the end, an engine
-    error and a client error in the stream with what follows them)."""
+    """One endpoint, as its client sends it and its replica's engine answers it: the request body, the whole
+    reply, and its stream's events (the first ones, a token, the end with the final usage, an engine error
+    and a client error in the stream with what follows them)."""
 
     body: dict[str, Any]
     whole: dict[str, Any]
     usage: tuple[int, int]  # (prompt, completion) of the whole reply and of a stream served whole
     prelude: tuple[str, ...] = ()
-    token: Callable[[int], str] = lambda completion: ""
+    token: str = ""
     final: tuple[str, ...] = ()
     engine_error: tuple[str, ...] = ()
     client_error: tuple[str, ...] = ()
 
 
-def _openai_token(delta: dict[str, Any]) -> Callable[[int], str]:
-    return lambda completion: _data({"choices": [{"index": 0, **delta}],
-                                     "usage": {"prompt_tokens": 3, "completion_tokens": completion}})
+def _openai_token(delta: dict[str, Any]) -> str:
+    """A token chunk as vLLM sends it to a client that asked for no running usage."""
+    return _data({"choices": [{"index": 0, **delta}]})
 
 
 _MESSAGES = [{"role": "user", "content": "hello"}]
@@ -544,7 +573,7 @@ WIRES = {
     "responses": Wire({"model": "m", "input": "hello", "max_output_tokens": 4},
                       {"object": "response", "output": [], "usage": {"input_tokens": 3, "output_tokens": 2}}, (3, 2),
                       prelude=(_sse("response.created", {"type": "response.created", "response": {}}),),
-                      token=lambda _: _sse(_DELTA, {"type": _DELTA, "delta": "hi"}),
+                      token=_sse(_DELTA, {"type": _DELTA, "delta": "hi"}),
                       final=(_sse("response.completed", {"type": "response.completed", "response": {
                           "usage": {"input_tokens": 3, "output_tokens": 2}}}),),
                       engine_error=(_sse("error", {"type": "error", "code": 500, "message": "engine died"}),),
@@ -554,8 +583,8 @@ WIRES = {
                       "usage": {"input_tokens": 3, "output_tokens": 2}}, (3, 2),
                      prelude=(_sse("message_start", {"type": "message_start", "message": {
                          "usage": {"input_tokens": 3, "output_tokens": 0}}}),),
-                     token=lambda _: _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                                  "delta": {"type": "text_delta", "text": "hi"}}),
+                     token=_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                        "delta": {"type": "text_delta", "text": "hi"}}),
                      final=(_sse("message_delta", {"type": "message_delta", "usage": {"output_tokens": 2}}),
                             _sse("message_stop", {"type": "message_stop"})),
                      engine_error=(_sse("error", {"type": "error", "error": {"type": "api_error",
@@ -618,27 +647,27 @@ WAYS = _BEFORE_ANY_REPLY + [
     Way("replica_failed_before_its_reply", False, lambda w: [Accepted("replica-1"), ReplyHead(500, _ERROR_500)],
         Ending.REFUSED, 503, version_failed=True),
     # streams
-    Way("served", True, lambda w: [*_started(w), w.token(1), w.token(2), *w.final], Ending.SERVED, 200,
+    Way("served", True, lambda w: [*_started(w), w.token, w.token, *w.final], Ending.SERVED, 200,
         rollout=(True,), usage="wire"),
     Way("replica_failed_before_its_first_chunk", True,
         lambda w: [Accepted("replica-1"), ReplyHead(200, None, True), RuntimeError("actor died")],
         Ending.REFUSED, 503, version_failed=True),
-    Way("client_error_in_band", True, lambda w: [*_started(w), w.token(1), *w.client_error], Ending.SERVED, 200,
+    Way("client_error_in_band", True, lambda w: [*_started(w), w.token, *w.client_error], Ending.SERVED, 200,
         rollout=(True,)),
-    Way("engine_error_in_band", True, lambda w: [*_started(w), w.token(1), *w.engine_error],
+    Way("engine_error_in_band", True, lambda w: [*_started(w), w.token, *w.engine_error],
         Ending.ENGINE_ERROR, STREAM_ERROR, rollout=(False,)),
-    Way("replica_broke_mid_stream", True, lambda w: [*_started(w), w.token(1), RuntimeError("actor died")],
+    Way("replica_broke_mid_stream", True, lambda w: [*_started(w), w.token, RuntimeError("actor died")],
         Ending.ENGINE_ERROR, STREAM_ERROR, rollout=(False,), error_event=("stream_interrupted", 503, "broke: RuntimeError")),
-    Way("client_hung_up", True, lambda w: [*_started(w), w.token(1), w.token(2), *w.final],
+    Way("client_hung_up", True, lambda w: [*_started(w), w.token, w.token, *w.final],
         Ending.CLIENT_GONE, CLIENT_GONE, client="hang_up"),
-    Way("past_the_deadline", True, lambda w: [*_started(w), w.token(1), SLOW], Ending.TIMED_OUT, STREAM_ERROR,
+    Way("past_the_deadline", True, lambda w: [*_started(w), w.token, SLOW], Ending.TIMED_OUT, STREAM_ERROR,
         gateway=_SHORT_DEADLINE, error_event=("request_timeout", 504, "ran past the request timeout")),
-    Way("idle", True, lambda w: [*_started(w), w.token(1), HANG], Ending.TIMED_OUT, STREAM_ERROR,
+    Way("idle", True, lambda w: [*_started(w), w.token, HANG], Ending.TIMED_OUT, STREAM_ERROR,
         gateway={"limits": {"stream_idle_timeout_s": 0.1}}, error_event=("stream_idle_timeout", 504, "sent nothing for 0.1s")),
     Way("drained", True, lambda w: [Accepted("replica-1"), ReplyHead(200, None, True), DEPART, *w.prelude,
-                                    w.token(1), HANG],
+                                    w.token, HANG],
         Ending.DRAINED, STREAM_ERROR, error_event=("replica_drain_timeout", 503, "past the drain timeout")),
-    Way("response_never_started", True, lambda w: [*_started(w), w.token(1), w.token(2), *w.final],
+    Way("response_never_started", True, lambda w: [*_started(w), w.token, w.token, *w.final],
         Ending.CLIENT_GONE, CLIENT_GONE, client="never_start"),
 ]
 
@@ -790,10 +819,10 @@ def test_every_way_a_request_ends_runs_each_hook_once_with_its_outcome(endpoint:
         assert words in message
     if streamed and way.name == "served":
         if endpoint.wire.typed_events:
-            assert text == "".join([*wire.prelude, wire.token(1), wire.token(2), *wire.final]), "events pass as sent"
+            assert text == "".join([*wire.prelude, wire.token, wire.token, *wire.final]), "events pass as sent"
         else:
-            assert text.count('"hi"') == 2 and '"usage"' not in text and text.endswith("data: [DONE]\n\n"), \
-                "the usage the client did not ask for is taken back out"
+            assert text == wire.token * 2 + "data: [DONE]\n\n", \
+                "the engine's bytes, less the usage chunk the client did not ask for (the replica drops it)"
     if way.name.endswith("in_band"):
         assert text.endswith("".join(wire.engine_error if way.ending is Ending.ENGINE_ERROR else wire.client_error))
 

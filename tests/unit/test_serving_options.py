@@ -1,6 +1,7 @@
 """`serving:` options (vLLM's frontend arguments), the builtin chat template that renders tools, and the
-gateway's reading of the agent APIs: Responses and Messages bodies, their stream events, error shapes,
-and the 400s for what a model's serving options leave off."""
+platform's reading of the agent APIs: Responses and Messages bodies, their stream events (read by the
+replica, counted by the gateway's stream account), error shapes, and the 400s for what a model's serving
+options leave off."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from shunter.config import ModelConfig, ServingConfig, format_config_error, pars
 from shunter.deployments.gateway.context import Usage
 from shunter.deployments.gateway.forward import check_serving
 from shunter.deployments.gateway.parsed_request import parse
-from shunter.deployments.gateway.stream_filter import StreamFilter
-from shunter.endpoints import ENDPOINTS, ParsedRequest
+from shunter.deployments.gateway.stream_account import StreamAccount
+from shunter.endpoints import ENDPOINTS
 from shunter.errors import ApiError
 from shunter.wire_formats import anthropic_error, whole_usage
+from tests.unit.test_forward import EngineStream
 
 pytestmark = pytest.mark.unit
 
@@ -242,16 +244,20 @@ def test_messages_events_give_prompt_tokens_first_and_completion_tokens_last():
     assert ENDPOINTS["messages"].wire.read_event("event: ping\ndata: not json\n\n") == ENDPOINTS["messages"].wire.read_event("")
 
 
-def test_a_typed_stream_cut_short_is_settled_at_the_deltas_it_relayed_then_at_the_engines_usage():
+def test_a_typed_stream_cut_short_is_settled_at_the_tokens_produced_then_at_the_engines_usage():
+    """The replica reads the Messages stream (its prompt first, its completion last) beside the engine's
+    running count; the gateway's account follows that count, then takes the stream's end."""
+    engine = EngineStream(ENDPOINTS["messages"].wire, prompt=9)
     usage, tokens = Usage(), []
-    chunks = StreamFilter(ParsedRequest(ENDPOINTS["messages"], {}), usage, tokens.append)
-    chunks.chunk(_sse("message_start", '{"type":"message_start","message":{"usage":{"input_tokens":9}}}'))
+    account = StreamAccount(usage, tokens.append)
+    account.take(engine.chunk(_sse("message_start", '{"type":"message_start","message":{"usage":{"input_tokens":9}}}')))
     for _ in range(3):
-        chunks.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
-    assert (usage.prompt_tokens, usage.completion_tokens) == (9, 3)
-    chunks.chunk(_sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}'))
-    chunks.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}'))
-    assert usage.completion_tokens == 4 and len(tokens) == 4
+        account.take(engine.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}')))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (9, 3), "cut here: the tokens produced so far"
+    account.take(engine.chunk(_sse("content_block_delta", '{"type":"content_block_delta"}')))
+    account.take(engine.chunk(_sse("message_delta", '{"type":"message_delta","usage":{"output_tokens":4}}')))
+    account.take(engine.end())
+    assert (usage.prompt_tokens, usage.completion_tokens) == (9, 4) and len(tokens) == 4
 
 
 def test_whole_replies_usage_in_every_shape():

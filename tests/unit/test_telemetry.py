@@ -1,6 +1,7 @@
 """The gateway's per-request telemetry without Ray: spans into OpenTelemetry's in-memory exporter, and
-the timing of the token chunks the stream filter tells it of. (Reading the stream's chunks, its usage and
-its in-band errors is tests/unit/test_stream_filter.py's.)"""
+the timing of the token chunks the stream account tells it of (the engine's texts through the replica's
+StreamReader, as a replica sends them). (What the replica reads of a stream is
+tests/unit/test_stream_reader.py's; what the gateway keeps of it, tests/unit/test_stream_account.py's.)"""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from shunter import tracing
 from shunter.config import parse_config
 from shunter.deployments.gateway.context import RequestContext, served
 from shunter.deployments.gateway.request_end import RequestEnd, standard_hooks
-from shunter.deployments.gateway.stream_filter import StreamFilter
+from shunter.deployments.gateway.stream_account import StreamAccount
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.replica.telemetry import traced
 from shunter.endpoints import CHAT, COMPLETION, Endpoint, ParsedRequest
-from shunter.replica_protocol import AdapterRoute, ReplyHead
+from shunter.replica_protocol import AdapterRoute, ReplyHead, StreamChunk
+from shunter.wire_formats import OPENAI_CHUNKS
+from tests.unit.test_forward import EngineStream
 
 pytestmark = pytest.mark.unit
 
@@ -67,13 +70,20 @@ class Rollouts:
 USAGE = 'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n'
 
 
+def _replica_sends(texts: list[str]) -> list:
+    """What a replica sends the gateway for an engine stream of `texts` (prompt 7, a token per content
+    chunk): its chunks, then its end."""
+    return EngineStream(OPENAI_CHUNKS, prompt=7).all(texts)
+
+
 def test_token_chunks_time_the_first_token_and_the_gaps_and_the_span_carries_the_usage():
     ctx = _ctx(stream=True)
     tel = RequestTelemetry(ctx, {})
-    chunks = StreamFilter(ctx.parsed, ctx.usage, tel.token)
-    relayed = [chunks.chunk(c) for c in (_chunk("a"), _chunk("b"), USAGE, "data: [DONE]\n\n")]
-    assert relayed == [_chunk("a"), _chunk("b"), None, "data: [DONE]\n\n"]
-    assert tel.streamed and len(tel._itl) == 1, "one gap between the two token chunks"
+    account = StreamAccount(ctx.usage, tel.token)
+    role = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+    relayed = [account.take(c) for c in _replica_sends([role, _chunk("a"), _chunk("b"), USAGE, "data: [DONE]\n\n"])]
+    assert relayed == [role, _chunk("a"), _chunk("b"), "data: [DONE]\n\n", None]
+    assert tel.streamed and len(tel._itl) == 1, "one gap between the two token chunks, the role chunk no token"
     assert tel.first_token_at is not None and tel.first_token_at >= ctx.began
     tel.finish(200)
     (span,) = EXPORTER.get_finished_spans()
@@ -116,7 +126,7 @@ def test_the_replica_span_continues_the_carrier_and_marks_the_first_token():
         carrier = tracing.inject()
 
     async def reply():
-        for item in ("accepted", ReplyHead(200, None, True), _chunk("x"), _chunk("y")):
+        for item in ("accepted", ReplyHead(200, None, True), StreamChunk(_chunk("x"), 3, 1), StreamChunk(_chunk("y"), 3, 2)):
             yield item
 
     async def relay() -> list:
@@ -152,9 +162,9 @@ def test_spans_never_carry_the_key_or_the_prompt_by_default_and_the_outcome_call
     ctx.on_outcome.append(lambda c: seen.append((c.outcome.status, c.usage.prompt_tokens, c.usage.completion_tokens)))
     tel.routing("default", attempt=1)
     tel.accepted("replica-1")
-    chunks = StreamFilter(ctx.parsed, ctx.usage, tel.token)
-    chunks.chunk(_chunk("secret prompt echo"))
-    chunks.chunk(USAGE)
+    account = StreamAccount(ctx.usage, tel.token)
+    for item in _replica_sends([_chunk("secret prompt echo"), USAGE]):
+        account.take(item)
     end.settle(served(200))
     end.settle(served(200))  # once only
     assert seen == [(200, 7, 3)] and tel._done

@@ -208,6 +208,74 @@ def test_terraform_fmt_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# `terraform init` fetches providers and registry modules. On a machine that cannot reach the registry
+# (a sandbox without network), every error init prints is a failed call to a registry host, and validate
+# cannot run: that, and only that, is a skip. Any other init failure (a module path or version that does
+# not resolve, a syntax error init already sees) is a failure of the configuration.
+_REGISTRY_CALL = re.compile(r"failed to request discovery document|could not connect to [\w.-]+|"
+                            r"error accessing remote module registry|failed to query available provider packages|"
+                            r"could not query provider registry|failed to install provider", re.I)
+_NETWORK_FAILURE = re.compile(r"dial tcp|no such host|i/o timeout|connection refused|network is unreachable|"
+                              r"tls handshake timeout|client\.timeout|context deadline exceeded|"
+                              r"temporary failure in name resolution|connection reset by peer", re.I)
+
+
+def registry_unreachable(output: str) -> str | None:
+    """The registry host `terraform init` could not reach, when that is what every error it printed says;
+    None when any error is something else, or it printed none."""
+    errors = re.split(r"^Error: ", output, flags=re.M)[1:]
+    if not errors:
+        return None
+    for error in errors:
+        said = " ".join(error.split())
+        if not (_REGISTRY_CALL.search(said) and _NETWORK_FAILURE.search(said)):
+            return None
+    host = re.search(r"lookup ([\w.-]+)|https://([\w.-]+)/", output)
+    return (host.group(1) or host.group(2)) if host else "the registry"
+
+
+# What init printed here, with no network (Terraform 1.x, -no-color), shortened.
+_OFFLINE_INIT = """Initializing modules...
+- cluster in ../../modules/eks-gpu-cluster
+
+Error: Error accessing remote module registry
+
+  on ../../modules/cluster-autoscaler/main.tf line 11:
+  11: module "irsa" {
+
+Failed to retrieve available versions for module "irsa"
+(../../modules/cluster-autoscaler/main.tf:11) from registry.terraform.io:
+failed to request discovery document: Get
+"https://registry.terraform.io/.well-known/terraform.json": dial tcp: lookup
+registry.terraform.io on 10.255.255.53:53: no such host.
+
+Error: Failed to query available provider packages
+
+Could not retrieve the list of available versions for provider hashicorp/aws: could not connect to
+registry.terraform.io: failed to request discovery document: Get
+"https://registry.terraform.io/.well-known/terraform.json": dial tcp: i/o timeout
+"""
+_BROKEN_INIT = """Initializing modules...
+
+Error: Unreadable module directory
+
+Unable to evaluate directory symlink: lstat ../../modules/no-such-module: no such file or directory
+"""
+_NO_SUCH_VERSION = """Error: Failed to query available provider packages
+
+Could not retrieve the list of available versions for provider hashicorp/aws: no available releases match
+the given constraints >= 99.0
+"""
+
+
+def test_only_an_unreachable_registry_makes_a_failed_init_a_skip():
+    assert registry_unreachable(_OFFLINE_INIT) == "registry.terraform.io"
+    assert registry_unreachable(_BROKEN_INIT) is None, "a missing module is the configuration's fault"
+    assert registry_unreachable(_NO_SUCH_VERSION) is None, "the registry answered: no such version"
+    assert registry_unreachable(_OFFLINE_INIT + "\n" + _BROKEN_INIT) is None, "one real error among outages"
+    assert registry_unreachable("Terraform crashed!") is None
+
+
 @pytest.mark.parametrize("env", sorted(ENVS))
 def test_terraform_validate(tmp_path, env):
     terraform = shutil.which("terraform")
@@ -220,9 +288,10 @@ def test_terraform_validate(tmp_path, env):
     init = subprocess.run([terraform, "init", "-backend=false", "-input=false", "-no-color"], cwd=folder,
                           capture_output=True, text=True, timeout=300)
     if init.returncode != 0:
-        said = " ".join((init.stdout + init.stderr).split())
-        host = re.search(r"lookup ([\w.-]+)", said)
-        reason = f"{host.group(1)} is unreachable" if host else said[-200:]
-        pytest.skip(f"terraform init could not fetch providers and modules: {reason}")
+        output = init.stdout + init.stderr
+        host = registry_unreachable(output)
+        if host is None:
+            pytest.fail(f"terraform init failed, and not for want of a registry:\n{output[-4000:]}")
+        pytest.skip(f"terraform init could not fetch providers and modules: {host} is unreachable")
     result = subprocess.run([terraform, "validate", "-no-color"], cwd=folder, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,7 +1,7 @@
 """The token channel over real ZeroMQ sockets on loopback, without Ray: who may listen, batching per loop
-turn, a gateway gone, and the gateway's relay of a stream that moves to the channel (the real Forwarder
-and relay in front of a stand-in replica that speaks the replica protocol and sends on a real
-ReplicaChannel)."""
+turn, a stream's chunks and end crossing intact (text, counts, cached tokens, error), a gateway gone, and
+the gateway's relay of a stream that moves to the channel (the real Forwarder and relay in front of a
+stand-in replica that speaks the replica protocol and sends on a real ReplicaChannel)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,18 @@ import zmq.asyncio
 from shunter.deployments.gateway.replica_stream import DrainTimeout, RequestDeadline, StreamIdle, next_chunk
 from shunter.deployments.token_channel import HELLO, ChannelLost, GatewayChannels, ReplicaChannel
 from shunter.endpoints import CHAT
-from shunter.replica_protocol import Accepted, Moved, ReplyHead
-from tests.unit.test_forward import MODEL, TOKEN, Replica, _body, _request, build_pipeline
+from shunter.replica_protocol import Accepted, Moved, ReplyHead, StreamChunk, StreamEnd
+from tests.unit.test_forward import (
+    DONE,
+    MODEL,
+    TOKEN,
+    USAGE,
+    EngineStream,
+    Replica,
+    _body,
+    _request,
+    build_pipeline,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -42,18 +52,45 @@ def test_chunks_reach_only_a_gateway_whose_id_came_through_ray_and_arrive_in_one
         await stranger.send(HELLO)
         inbox = gateway.open("r1")
         gateway.connect(replica.address)
-        await asyncio.sleep(0.2)
+        await _until(lambda: replica.ready("stranger"))  # its hello arrived: it is known by its own id only
         assert not replica.ready("stranger-not-announced-by-ray") and not replica.ready("nobody")
         await _until(lambda: replica.ready(gateway.id))
         for i in range(5):  # one loop turn: one message
-            replica.send(gateway.id, "r1", f"chunk {i}")
-        replica.send(gateway.id, "r1", None)
-        replica.send(gateway.id, "other-request", "not for r1")
+            replica.send(gateway.id, "r1", StreamChunk(f"chunk {i}", 7, i))
+        replica.send(gateway.id, "r1", StreamEnd(7, 5))
+        replica.send(gateway.id, "other-request", StreamChunk("not for r1", 1, 1))
         await _until(lambda: inbox.qsize() == 6)
-        assert [inbox.get_nowait() for _ in range(6)] == [f"chunk {i}" for i in range(5)] + [None]
+        assert [inbox.get_nowait() for _ in range(6)] == [StreamChunk(f"chunk {i}", 7, i) for i in range(5)] + \
+            [StreamEnd(7, 5)]
         # the stranger connected and said hello, but no request ever named it: it got nothing
         assert await stranger.poll(100) == 0
         stranger.close(linger=0)
+        replica.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("end", [
+    StreamEnd(40, 3, 32, {"message": "engine died", "type": "InternalServerError", "code": 500}),
+    StreamEnd(7, 0),
+], ids=["cached_and_error", "bare"])
+def test_a_chunk_and_an_end_cross_the_channel_intact(end):
+    """The gateway writes a chunk's text as it is and settles at the end's counts: both arrive as the
+    replica sent them, typed (the relay tells them apart by type), with the error's fields and an emoji."""
+    chunk = StreamChunk('data: {"choices":[{"index":0,"delta":{"content":"h\u00e9 \U0001f600"}}]}\n\n', 40, 2)
+
+    async def run() -> None:
+        replica = ReplicaChannel("127.0.0.1")
+        gateway = GatewayChannels()
+        inbox = gateway.open("r1")
+        gateway.connect(replica.address)
+        await _until(lambda: replica.ready(gateway.id))
+        replica.send(gateway.id, "r1", chunk)
+        replica.send(gateway.id, "r1", end)
+        await _until(lambda: inbox.qsize() == 2)
+        got_chunk, got_end = inbox.get_nowait(), inbox.get_nowait()
+        assert type(got_chunk) is StreamChunk and got_chunk == chunk
+        assert type(got_end) is StreamEnd and got_end == end
         replica.close()
 
     asyncio.run(run())
@@ -69,12 +106,18 @@ def test_a_gateway_that_went_away_ends_its_streams_on_the_replica():
         for socket, task in gateway._links.values():  # the gateway process dies
             task.cancel()
             socket.close(linger=0)
-        await asyncio.sleep(0.2)
-        replica.send(gateway.id, "r1", "lost")
-        await asyncio.sleep(0.05)  # the flush finds the peer gone
+        # ZeroMQ learns of the disconnect in its own time: chunks sent until then leave into the void,
+        # and the first flush after it finds the peer gone.
+        loop, sent = asyncio.get_running_loop(), 0
+        end = loop.time() + 10
+        while replica.ready(gateway.id):
+            assert loop.time() < end, "the gateway's disconnect went unnoticed"
+            replica.send(gateway.id, "r1", StreamChunk("lost", 3, sent))
+            sent += 1
+            await asyncio.sleep(0.01)  # the flush runs
+        assert sent, "a chunk was sent after the gateway died"
         with pytest.raises(ChannelLost):
-            replica.send(gateway.id, "r1", "next")
-        assert not replica.ready(gateway.id)
+            replica.send(gateway.id, "r1", StreamChunk("next", 3, sent))
         replica.close()
 
     asyncio.run(run())
@@ -120,20 +163,23 @@ class MovingReplica(Replica):
         return _Call(self._serve(request), self.cancelled, request.request_id)
 
     async def _serve(self, request: Any):
+        engine = EngineStream.of(request)
         yield Accepted("replica-1", self.channel.address)
         yield ReplyHead(200, None, True)
-        yield TOKEN
+        yield engine.chunk(TOKEN)
         await _until(lambda: self.channel.ready(request.channel))
         yield Moved()
         for _ in range(3):
-            self.channel.send(request.channel, request.request_id, TOKEN)
+            self.channel.send(request.channel, request.request_id, engine.chunk(TOKEN))
             await asyncio.sleep(0.01)
         if self.fail_after_move:
             raise RuntimeError("ActorDiedError: the replica died")
         if self.hang_after_move:
             await asyncio.sleep(3600)
-        self.channel.send(request.channel, request.request_id, "data: [DONE]\n\n")
-        self.channel.send(request.channel, request.request_id, None)
+        usage = USAGE.replace('"completion_tokens":1', '"completion_tokens":4')
+        assert engine.chunk(usage) is None, "the usage chunk the client did not ask for stays on the replica"
+        self.channel.send(request.channel, request.request_id, engine.chunk(DONE))
+        self.channel.send(request.channel, request.request_id, engine.end())
 
 
 class _Call:
@@ -174,10 +220,14 @@ async def _stream_through(forwarder: Any, moving: MovingReplica) -> str:
 
 def test_a_stream_that_moves_to_the_channel_reaches_the_client_whole_and_in_order(pipeline):
     forwarder, moving = _moving(pipeline)
+    settled: list[tuple[int, int]] = []
+    forwarder.hooks.register("seen", lambda end, outcome: settled.append(
+        (end.ctx.usage.prompt_tokens, end.ctx.usage.completion_tokens)))
 
     text = asyncio.run(_stream_through(forwarder, moving))
     events = [e for e in text.split("\n\n") if e]
     assert len(events) == 5 and events[-1] == "data: [DONE]", "the first chunk on Ray, three on the channel"
+    assert settled == [(3, 4)], "settled at the end's usage, which came over the channel"
     assert all(json.loads(e[len("data: "):])["choices"][0]["delta"]["content"] == "hi" for e in events[:4])
     assert moving.cancelled == [], "a stream that ended is not cancelled"
     assert forwarder.state.gate(MODEL).admitted == 0 and moving.routing.load("replica-1") == 0

@@ -20,6 +20,11 @@ import psutil
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 
+# Shunter's per-node fork server (shunter.engine_forkserver): every process it forks is an engine core or
+# worker, and keeps the server's command line (vLLM's title never reaches it in a forked child).
+FORK_SERVER = "shunter.engine_forkserver"
+
+
 def _starts_engines(label: str) -> bool:
     """Serve replicas (Shunter's, Ray Serve LLM's) and vLLM's own API server start engine processes."""
     return label.startswith("ray::ServeReplica") or "vllm.entrypoints" in label
@@ -40,7 +45,8 @@ def _snapshot() -> dict[tuple[int, float], tuple[str, float]]:
     """(pid, start time) -> (label, CPU seconds). An engine process is labelled by its vLLM title. Its
     title does not always reach its command line (seen here: an engine core still showing as Python's
     `multiprocessing.spawn` child with 20 s of CPU), so a spawned child of a Serve replica or of vLLM's
-    API server, the processes that start engines, counts as the engine too."""
+    API server, the processes that start engines, counts as the engine too, and so does a child of
+    Shunter's fork server and every descendant of an engine process."""
     me = os.getpid()
     found: dict[int, tuple[float, str, int, float]] = {}
     for proc in psutil.process_iter(["pid", "ppid", "create_time", "cmdline", "name"]):
@@ -53,13 +59,22 @@ def _snapshot() -> dict[tuple[int, float], tuple[str, float]]:
                                        times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    seen: dict[tuple[int, float], tuple[str, float]] = {}
-    for pid, (created, label, ppid, cpu) in found.items():
-        parent = found.get(ppid, (0.0, "", 0, 0.0))[1]
-        if "multiprocessing.spawn" in label and _starts_engines(parent):
-            label = f"{ENGINE_TITLES[0]} (untitled: {label})"
-        seen[(pid, created)] = (label, cpu)
-    return seen
+    labels = {pid: label for pid, (_, label, _, _) in found.items()}
+    for pid, (_, label, ppid, _) in found.items():
+        if "multiprocessing.spawn" in label and _starts_engines(labels.get(ppid, "")):
+            labels[pid] = f"{ENGINE_TITLES[0]} (untitled: {label})"
+        elif FORK_SERVER in label and FORK_SERVER in labels.get(ppid, ""):
+            labels[pid] = f"{ENGINE_TITLES[0]} (forked: {label})"
+    # A child of an engine process is the engine's too (its workers: a worker whose title never reached its
+    # command line was once counted as 8-13 s of serving CPU).
+    changed = True
+    while changed:
+        changed = False
+        for pid, (_, label, ppid, _) in found.items():
+            if not labels[pid].startswith(ENGINE_TITLES) and labels.get(ppid, "").startswith(ENGINE_TITLES):
+                labels[pid] = f"{ENGINE_TITLES[1]} (untitled: {label})"
+                changed = True
+    return {(pid, created): (labels[pid], cpu) for pid, (created, _, _, cpu) in found.items()}
 
 
 class CpuMeter:

@@ -245,7 +245,12 @@ async def _one_request(client: httpx.AsyncClient, cfg: LoadConfig, session: Sess
         body = _payload(cfg, session, history, turn)
         if cfg.on_send is not None:
             cfg.on_send(index, body)
-        async with client.stream("POST", path, json=body, headers=_tenant(cfg, session)) as resp:
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            if event == "http11.send_request_body.complete":
+                record.written_s = time.perf_counter() - sent
+
+        async with client.stream("POST", path, json=body, headers=_tenant(cfg, session),
+                                 extensions={"trace": trace}) as resp:
             record.status = resp.status_code
             record.head_s = time.perf_counter() - sent
             record.replica = resp.headers.get("x-shunter-replica")

@@ -18,6 +18,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     head_s: float | None = None  # the response's status line (for a refusal: how long it took)
+    # The request's last byte written to the connection. Before it, the time is the client's own (a client
+    # sending 256 requests at once writes the last ones a second after it began them on a 2-core machine).
+    written_s: float | None = None
     ttft_s: float | None = None  # first content token
     e2e_s: float | None = None  # last byte
     itl_s: list[float] = field(default_factory=list)  # gaps between successive content chunks

@@ -1,5 +1,5 @@
 """The `shunter` command: the face of the platform, one module per command group (`config`, `render`,
-`models`, `keys`, `plan`, `serve`, `rollout`, `demo`, and `bench_*` for the benchmarks). Imports
+`models`, `keys`, `plan`, `serve`, `rollout`, `batch`, `demo`, and `bench_*` for the benchmarks). Imports
 lazily so `--help` stays instant; the only room that may import every other.
 
     shunter serve FILE            serve a config on this machine, in the foreground (Ctrl-C drains, then stops)
@@ -13,6 +13,7 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter bench run ...         measure an OpenAI-compatible endpoint with a seeded workload
     shunter bench compare A B ... result files side by side, with ratios and a plot
     shunter bench overhead ...    Shunter against vLLM alone on the same prompts
+    shunter bench budget ...      CPU per token by process and step (py-spy), and at idle: Shunter, vLLM's server
     shunter bench agents ...      chat, Responses and Messages: Shunter against vLLM's own server
     shunter bench routing ...     routing policies side by side (shared-prefix workload, 2 replicas)
     shunter bench lora ...        LoRA adapters under a Zipf mix: adapter-aware routing vs the others (2 replicas)
@@ -24,6 +25,8 @@ lazily so `--help` stays instant; the only room that may import every other.
     shunter rollout start MODEL --to VERSION   blue-green rollout with health gates (runs in the cluster)
     shunter rollout status|pause|resume|rollback MODEL
     shunter weights set MODEL V1=90 V2=10      live traffic weights, no restart
+    shunter batch submit FILE --endpoint URL [--wait]   OpenAI's Batch API: a file of requests, on idle capacity
+    shunter batch status|results|cancel ID, shunter batch list
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ from shunter.cli.render import DEFAULT_IMAGE
 
 __all__ = ["APP_IMPORT_PATH", "DEFAULT_IMAGE", "load_app_configs", "main"]
 
-BENCHMARKS = ("run", "compare", "overhead", "agents", "saturation", "contention", "routing", "lora", "placement",
-              "tiers", "suite", "builds")
+BENCHMARKS = ("run", "compare", "overhead", "budget", "agents", "saturation", "contention", "routing", "lora",
+              "placement", "tiers", "suite", "builds", "coldstart")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shunter.cli import config, keys, models, plan, render, rollout, serve
+    from shunter.cli import batch, config, keys, models, plan, render, rollout, serve
 
     parser = argparse.ArgumentParser(prog="shunter", description="Shunter: multi-model LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser("run", help="measure an OpenAI-compatible endpoint (its own options: --help)")
     bench.add_parser("compare", help="result files side by side, with ratios and a plot")
     bench.add_parser("overhead", help="Shunter vs vLLM alone, vLLM's server and Ray Serve LLM (its own options: --help)")
+    bench.add_parser("budget", help="CPU per token by process and step (py-spy) and at idle, Shunter and vLLM's "
+                     "server (its own options: --help)")
     bench.add_parser("agents", help="chat, Responses and Messages through Shunter and vLLM's own server")
     bench.add_parser("saturation", help="a burst far past capacity: refusal latency, admitted TTFT, wall time")
+    bench.add_parser("coldstart", help="a replica's start phase by phase (deploy, engine core or replica killed, "
+                     "from zero), engine processes forked vs spawned (its own options: --help)")
     bench.add_parser("contention", help="who goes first when the model is full: noisy neighbour, same-class "
                      "shares, goodput at 2x overload, Retry-After (its own options: --help)")
     bench.add_parser("routing", help="routing policies side by side on 2 replicas (its own options: --help)")
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(no Grafana needed; its own options: --help)")
     serve.add_parser(sub)
     rollout.add_parsers(sub)
+    batch.add_parser(sub)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
@@ -97,14 +105,26 @@ def _bench(action: str, argv: list[str]) -> int:
         from shunter.cli.bench_placement import main as placement
 
         return placement(argv)
+    if action == "coldstart":
+        from shunter.cli.bench_coldstart import main as coldstart
+
+        return coldstart(argv)
     if action == "saturation":
         from shunter.cli.bench_saturation import main as saturation
 
         return saturation(argv)
+    if action == "contention" and "--batch" in argv:  # a batch beside interactive traffic
+        from shunter.cli.bench_batch import main as batch
+
+        return batch(argv)
     if action == "contention":
         from shunter.cli.bench_contention import main as contention
 
         return contention(argv)
+    if action == "budget":
+        from shunter.cli.bench_budget import main as budget
+
+        return budget(argv)
     if action == "agents":
         from shunter.cli.bench_agents import main as agents
 

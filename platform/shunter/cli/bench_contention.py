@@ -33,6 +33,9 @@ phase ends by hanging up on what still runs. Results: results/contention.json; t
 lines: shunter.cli.bench_contention_report.
 
     shunter bench contention [--quick] [--no-ray-serve-llm] [--with-classes-fcfs] [--sides a,b]
+
+`shunter bench contention --batch`: a batch (OpenAI's Batch API) beside an interactive tenant instead
+(shunter.cli.bench_batch).
 """
 
 from __future__ import annotations

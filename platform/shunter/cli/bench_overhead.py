@@ -48,6 +48,7 @@ class RunResult:
     serving_cpu_s: float | None = None  # every process but the engines' and this client's (shunter.bench.cpu)
     engine_cpu_s: float | None = None
     serving_cpu_top: list | None = None  # the serving side's busiest processes
+    itl_p50_s: float | None = None  # the median gap between a stream's content chunks (HTTP sides)
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,16 +131,17 @@ async def bench_openai_endpoint(side: str, base_url: str, model: str, levels: li
         if failed:  # a figure with failures in it would flatter the side that failed
             raise RuntimeError(f"{side}: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
         ttfts = [r.ttft_s for r in records]
+        gaps = [gap for r in records for gap in r.itl_s]
         return RunResult(label, concurrency, len(records), sum(r.output_tokens for r in records), wall,
                          statistics.mean(ttfts), statistics.median(ttfts), cpu.serving_s, cpu.engine_s,
-                         cpu.top)
+                         cpu.top, statistics.median(gaps) if gaps else None)
 
     await measure("warmup", 4, 4)
     return [await measure(side, c, _requests_for(c)) for c in levels]
 
 
 def _requests_for(concurrency: int) -> int:
-    return max(8, concurrency * 2)
+    return max(16, concurrency * 3)  # a few waves of each level: one wave of 32 streams is noisy
 
 
 def _single_model_app(args_cfg: Any, model_name: str) -> Any:
@@ -208,7 +210,8 @@ def measure(config: Path, model_name: str, levels: list[int], max_tokens: int,
              "shunter_vs_vllm_server": g.tokens_per_s / v.tokens_per_s,
              "shunter_vs_ray_serve_llm": g.tokens_per_s / s.tokens_per_s,
              "shunter_ttft_p50_vs_alone": g.ttft_p50_s / a.ttft_p50_s,
-             "shunter_ttft_p50_overhead_ms": (g.ttft_p50_s - v.ttft_p50_s) * 1000}
+             "shunter_ttft_p50_overhead_ms": (g.ttft_p50_s - v.ttft_p50_s) * 1000,
+             "shunter_itl_p50_vs_vllm_server": g.itl_p50_s / v.itl_p50_s if g.itl_p50_s and v.itl_p50_s else None}
             for a, v, s, g in zip(alone, server, ray_llm, through, strict=True)]
     return {"model": model.name, "dtype": engine_dtype(model.engine.dtype, "cpu", model.engine.quantization),
             "max_tokens": max_tokens, "overhead": rows, "shared_prefix": shared}
@@ -218,16 +221,19 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: tokens/s (TTFT p50) of each side, Shunter's ratios, and each HTTP side's serving CPU."""
     sides = ("vllm-alone", "vllm-server", "ray-serve-llm", "shunter")
     lines = ["| streams | AsyncLLM alone | vLLM OpenAI server | Ray Serve LLM | Shunter | Shunter / vLLM server "
-             "| Shunter / Ray Serve LLM | Shunter TTFT p50 - vLLM server | serving CPU ms per 1k tokens: vLLM "
-             "server / Ray Serve LLM / Shunter |", "|---|---|---|---|---|---|---|---|---|"]
+             "| Shunter / Ray Serve LLM | Shunter TTFT p50 - vLLM server | ITL p50 ms: vLLM server / Shunter "
+             "| serving CPU ms per 1k tokens: vLLM server / Ray Serve LLM / Shunter |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         cells = [f"{row[side]['tokens_per_s']:.1f} ({row[side]['ttft_p50_s'] * 1000:.0f} ms)" if side in row else "-"
                  for side in sides]
         cpu = " / ".join(f"{row[s]['serving_cpu_ms_per_1k']:.0f}" if row.get(s, {}).get("serving_cpu_ms_per_1k")
                          is not None else "-" for s in sides[1:])
+        itl = " / ".join(f"{row[s]['itl_p50_s'] * 1000:.1f}" if row.get(s, {}).get("itl_p50_s") else "-"
+                         for s in ("vllm-server", "shunter"))
         lines.append(f"| {row['concurrency']} | {' | '.join(cells)} | {row['shunter_vs_vllm_server']:.2f} | "
                      f"{row.get('shunter_vs_ray_serve_llm', float('nan')):.2f} | "
-                     f"{row.get('shunter_ttft_p50_overhead_ms', float('nan')):+.0f} ms | {cpu} |")
+                     f"{row.get('shunter_ttft_p50_overhead_ms', float('nan')):+.0f} ms | {itl} | {cpu} |")
     return "\n".join(lines)
 
 

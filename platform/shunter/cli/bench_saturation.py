@@ -4,8 +4,9 @@ and Shunter, on the same engine settings and cores.
 Every stream of the burst starts at once and asks for `--max-tokens` tokens (`ignore_eos`). vLLM's own
 server queues everything; Shunter admits up to its bound and refuses the rest (429/503). What an
 overloaded platform owes its clients, and what this reports per side: refusals answered at once
-(refusal latency p50/p99, to the response's status line), admitted streams served (admitted TTFT
-p50/p99), the burst's wall time and output tokens/s, and the serving side's CPU per 1,000 tokens
+(refusal latency p50/p99 to the response's status line, from the client's call and from the request's
+last byte written: the client's own queue is not the platform's; and p99 of when each request was
+written), admitted streams served (admitted TTFT p50/p99), the burst's wall time and output tokens/s, and the serving side's CPU per 1,000 tokens
 (shunter.bench.cpu).
 
     shunter bench saturation [--streams 256] [--replicas 1]     # one replica on every core
@@ -49,6 +50,8 @@ async def burst(side: str, base_url: str, model: str, streams: int, max_tokens: 
     tokens = sum(r.output_tokens for r in served)
     ttfts = [r.ttft_s for r in served if r.ttft_s is not None]
     refusals = [r.head_s for r in refused if r.head_s is not None]
+    # From the request's last byte on the wire: the platform's part, without the client's own queue.
+    from_wire = [r.head_s - r.written_s for r in refused if r.head_s is not None and r.written_s is not None]
     return {
         "side": side, "streams": streams, "served": len(served), "refused": len(refused),
         "failed": len(records) - len(served) - len(refused),
@@ -56,6 +59,8 @@ async def burst(side: str, base_url: str, model: str, streams: int, max_tokens: 
         "wall_s": wall, "output_tokens_per_s": tokens / wall if wall else 0.0,
         "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
         "refusal_p50_s": _quantile(refusals, 0.5), "refusal_p99_s": _quantile(refusals, 0.99),
+        "refusal_wire_p50_s": _quantile(from_wire, 0.5), "refusal_wire_p99_s": _quantile(from_wire, 0.99),
+        "written_p99_s": _quantile([r.written_s for r in records if r.written_s is not None], 0.99),
         "serving_cpu_ms_per_1k": cpu.per_1k_tokens(tokens), "serving_cpu_top": cpu.top,
     }
 
@@ -90,11 +95,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if value is None else f"{value * 1000:.0f}"
 
     lines = ["| side | streams | served | refused | wall s | output tok/s | TTFT p50 / p99 ms | refusal p50 / p99 ms "
-             "| serving CPU ms per 1k tokens |", "|---|---|---|---|---|---|---|---|---|"]
+             "| from the wire p50 / p99 ms | last written ms | serving CPU ms per 1k tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['side']} | {r['streams']} | {r['served']} | {r['refused']} | {r['wall_s']:.1f} | "
                      f"{r['output_tokens_per_s']:.0f} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | "
-                     f"{ms(r['refusal_p50_s'])} / {ms(r['refusal_p99_s'])} | {r['serving_cpu_ms_per_1k']:.0f} |")
+                     f"{ms(r['refusal_p50_s'])} / {ms(r['refusal_p99_s'])} | "
+                     f"{ms(r.get('refusal_wire_p50_s'))} / {ms(r.get('refusal_wire_p99_s'))} | "
+                     f"{ms(r.get('written_p99_s'))} | {r['serving_cpu_ms_per_1k']:.0f} |")
     return "\n".join(lines)
 
 

@@ -150,7 +150,8 @@ def _set_weights(args: argparse.Namespace) -> int:
 def _list_replicas(args: argparse.Namespace) -> int:
     listed = _call(args.url, "GET", f"/admin/models/{args.model}/replicas")["replicas"]
     for r in listed:
-        print(f"{r['replica']}  version {r['version']}  {'CORDONED' if r['cordoned'] else 'routable'}  "
+        place = "CORDONED" if r["cordoned"] else "standby" if r.get("standby") else "routable"
+        print(f"{r['replica']}  version {r['version']}  {place}  "
               f"in flight here {r['in_flight_here']}  breaker {r['breaker']}")
     if not listed:
         print(f"model {args.model}: no running replica")

@@ -72,10 +72,21 @@ class EngineConfig(StrictModel):
         ge=0,
         le=19,
         description="CPU only: the niceness of the engine's processes (and of the replica thread that starts "
-        "it). Ray runs every worker at 15; at 19 the gateway, HAProxy and Serve's controller, which share the "
-        "cores with the engines, run first when they have work (a 400-stream burst on two one-core replicas: "
+        "it) once the engine is ready; it starts at the platform's. Ray runs every worker at 15; at 19 the "
+        "gateway, HAProxy and Serve's controller, which share the cores with the engines, run first when they "
+        "have work (a 400-stream burst on two one-core replicas: "
         "429s within 0.69-1.15 s p99 across runs, against 1.13-1.64 s without; the same throughput). Only "
         "ever raised: below the replica's own niceness, it keeps that.",
+    )
+    process_start: Literal["auto", "fork-server", "spawn"] = Field(
+        default="auto",
+        description="How a replica's processes start: its own (a Ray worker) and its engine's (vLLM's engine "
+        "core and workers). fork-server: forked from the node's server that imported vLLM and torch once "
+        "(shunter.engine_forkserver; the replica through its runtime_env's py_executable, shunter.worker_fork), "
+        "so a replica pays no imports; spawn: as Ray and vLLM start them, each importing vLLM and torch anew "
+        "(6-12 s each on 2 cores). auto: fork-server for a CPU engine on one node, spawn otherwise (GPU "
+        "engines, whose fork path is not yet measured, and pipeline stages placed by Ray). Use spawn when the "
+        "application's runtime_env brings its own interpreter or packages (pip, uv, conda, an image).",
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="GPU only: fraction of GPU memory the engine may use."
@@ -132,7 +143,7 @@ class EngineConfig(StrictModel):
                 raise ValueError(
                     f"{key!r} is set by Shunter; use the config field {_OWNED_ENGINE_ARGS[key]} instead"
                 )
-        known = _vllm_engine_arg_names()
+        known = _vllm_engine_arg_names() if value else frozenset()
         if known:
             for key in value:
                 if key not in known:
@@ -144,20 +155,16 @@ class EngineConfig(StrictModel):
 
 @lru_cache(maxsize=1)
 def _vllm_engine_arg_names() -> frozenset[str]:
-    """AsyncEngineArgs field names, or empty when vLLM is not installed (checked again at replica start)."""
-    try:
-        import dataclasses
+    """AsyncEngineArgs field names, read from vLLM's source (never imported here: every model replica
+    validates its config before its engine starts); empty when vLLM is not installed (the replica's
+    start checks again)."""
+    from shunter.vllm_compat import engine_arg_names
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
-    except Exception:  # noqa: BLE001 - a machine without vLLM still validates everything else
-        return frozenset()
-    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
+    return engine_arg_names()
 
 
 @lru_cache(maxsize=1)
 def _vllm_quantization_methods() -> frozenset[str]:
-    try:
-        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-    except Exception:  # noqa: BLE001
-        return frozenset()
-    return frozenset(QUANTIZATION_METHODS)
+    from shunter.vllm_compat import quantization_methods
+
+    return quantization_methods()

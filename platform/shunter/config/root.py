@@ -10,6 +10,7 @@ from shunter.catalog import BUILTIN_PREFIX
 from shunter.config.adapters import AdapterConfig
 from shunter.config.auth import AuthConfig
 from shunter.config.base import StrictModel
+from shunter.config.batch import BatchConfig
 from shunter.config.cluster import ClusterConfig
 from shunter.config.explain import format_config_error
 from shunter.config.flow import FlowControlConfig
@@ -44,6 +45,10 @@ class ShunterConfig(StrictModel):
     usage: UsageConfig = Field(
         default_factory=UsageConfig,
         description="The usage ledger: tokens and cost per key, model, adapter and class (GET /admin/usage).",
+    )
+    batch: BatchConfig = Field(
+        default_factory=BatchConfig,
+        description="OpenAI's Files API (`/v1/files`) per client key: where files and their records are kept.",
     )
     model_cache_dir: str | None = Field(
         default=None,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from shunter import vllm_compat
 from shunter.config.base import StrictModel, closest
 
 
@@ -123,18 +124,11 @@ class ServingConfig(StrictModel):
 
 @lru_cache(maxsize=1)
 def _vllm_tool_parsers() -> frozenset[str]:
-    """vLLM's registered tool call parsers, or empty when vLLM is not installed (checked at replica start)."""
-    try:
-        from vllm.tool_parsers import ToolParserManager
-    except Exception:  # noqa: BLE001 - a machine without vLLM still validates everything else
-        return frozenset()
-    return frozenset(ToolParserManager.list_registered())
+    """vLLM's registered tool call parsers, or empty when vLLM is not installed (checked at replica start).
+    Read from vLLM's source, not imported: every process that reads a config would pay vLLM's import."""
+    return vllm_compat.registered_parser_names("tool_call_parser")
 
 
 @lru_cache(maxsize=1)
 def _vllm_reasoning_parsers() -> frozenset[str]:
-    try:
-        from vllm.reasoning import ReasoningParserManager
-    except Exception:  # noqa: BLE001
-        return frozenset()
-    return frozenset(ReasoningParserManager.list_registered())
+    return vllm_compat.registered_parser_names("reasoning_parser")
