@@ -90,7 +90,7 @@ class BatchRunner:
                 log.exception("the batch runner's step failed; trying again in %gs", TICK_S)
             try:
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def step(self) -> None:

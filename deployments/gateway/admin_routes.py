@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -155,7 +155,7 @@ def _instant(value: str | None, name: str) -> float | None:
             raise ApiError(400, f"{name}: {value!r} is neither unix seconds nor an ISO 8601 time "
                            "(2026-01-31T12:00:00Z)", param=name, code="invalid_time") from None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
+            when = when.replace(tzinfo=UTC)
         seconds = when.timestamp()
     if not math.isfinite(seconds) or seconds < 0:
         raise ApiError(400, f"{name}: {value!r} is not a time (unix seconds are finite and not negative)",

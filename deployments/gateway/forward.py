@@ -212,7 +212,7 @@ class Forwarder:
         with tel.use():
             try:
                 response = await asyncio.wait_for(self._admit(end, retry_key), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("model %s request %s: no reply within the request timeout of %gs", ctx.model.name,
                             ctx.request_id, timeout)
                 end.settle(Outcome(Ending.TIMED_OUT, 504, finished=False))

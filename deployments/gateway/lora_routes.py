@@ -181,7 +181,7 @@ async def _rank_of(adapter: Any) -> int | None:
                                         REMOTE_CHECK_TIMEOUT_S)
     except AdapterSourceError as exc:
         raise ApiError(400, str(exc), param="source", code="adapter_source_unreadable") from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(400, f"{adapter.source} did not answer within {REMOTE_CHECK_TIMEOUT_S:.0f}s", param="source",
                        code="adapter_source_unreadable") from None
     rank = config.get("r")

@@ -48,7 +48,7 @@ async def ready(request: Request, gw: Parts) -> JSONResponse:
             return {"replicas": 0, "starts_on_demand": True}, None
         try:
             return await asyncio.wait_for(gw.servers[model.name][version].ready.remote(), timeout), None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, f"no replica answered within {timeout}s"
         except Exception as exc:  # noqa: BLE001 - any failure means "not ready", with the reason shown
             return None, f"{type(exc).__name__}: {exc}"[:300]

@@ -151,7 +151,7 @@ class ReplicaCalls:
                 wait = model.autoscaling.cold_start_timeout_s
             try:
                 accepted = await asyncio.wait_for(stream.__anext__(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise QueueTimeout(wait, cold_start) from None
             except Exception as exc:  # noqa: BLE001 - no replica, replica gone before taking it
                 raise NoReplica() from exc
@@ -169,7 +169,7 @@ class ReplicaCalls:
                         first = await next_item(stream, model, routing, replica)
                     except StopAsyncIteration:
                         first = None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ReplicaFailure(replica, f"sent nothing for {timeout:g}s (hung?)") from None
             except DrainTimeout:
                 raise ReplicaFailure(replica, f"left and had not answered within the drain timeout of "

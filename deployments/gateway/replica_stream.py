@@ -91,5 +91,5 @@ def _wait_left(now: float, model: ModelConfig, routing: DeploymentRouting, repli
     if now >= deadline:
         raise RequestDeadline()
     if now >= silent_until:
-        raise StreamIdle() if idle_is_shorter else asyncio.TimeoutError()
+        raise StreamIdle() if idle_is_shorter else TimeoutError()
     return min(silent_until, drain_until, deadline, now + 1.0) - now

@@ -142,7 +142,7 @@ class UsageWriter:
         all of it reached the ledger within `timeout_s`; what did not stays buffered."""
         try:
             return await asyncio.wait_for(self._send_all(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def close(self, timeout_s: float = 2.0) -> bool:

@@ -112,7 +112,7 @@ async def _ready(group: Any, timeout_s: float, what: str) -> bool:
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout=min(30.0, left))
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if time.monotonic() < deadline:
                 log.info("%s: still waiting for capacity (free GPUs in the cluster: %s)", what, _free_gpus())
 

@@ -20,7 +20,7 @@ import re
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -342,7 +342,7 @@ def _draw(title: str, panels: Sequence[PanelData], grid: Sequence[float], out_pn
 def _span_text(grid: Sequence[float]) -> str:
     if not grid:
         return "no scrapes"
-    start, end = (datetime.fromtimestamp(t, tz=timezone.utc) for t in (grid[0], grid[-1]))
+    start, end = (datetime.fromtimestamp(t, tz=UTC) for t in (grid[0], grid[-1]))
     return f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} UTC ({grid[-1] - grid[0]:.0f} s)"
 
 
