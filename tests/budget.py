@@ -161,6 +161,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 class Budget:
     def __init__(self) -> None:
         self.modules: dict[str, float] = defaultdict(float)
+        # Per module, by phase: an app's start and stop show as setup and teardown (the boots), the tests as call.
+        self.phases: dict[str, dict[str, float]] = defaultdict(lambda: {"setup": 0.0, "call": 0.0, "teardown": 0.0})
         self.outcomes: dict[str, int] = defaultdict(int)
         self.started = time.monotonic()
         self.whole_tiers: set[str] = set()  # tiers the session runs every test of (shares apply to those)
@@ -183,7 +185,9 @@ class Budget:
             self.whole_tiers = {tier_of(str(i.fspath)) for i in items} - {None}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.modules[report.nodeid.split("::")[0]] += report.duration
+        module = report.nodeid.split("::")[0]
+        self.modules[module] += report.duration
+        self.phases[module][report.when] += report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcomes[report.outcome] += 1
 
@@ -209,8 +213,11 @@ class Budget:
     def table(self) -> dict:
         """Per module, per tier and wall, with the machine; a module, tier or suite past its share listed."""
         tiers: dict[str, float] = defaultdict(float)
+        tier_phases: dict[str, dict[str, float]] = defaultdict(lambda: {"setup": 0.0, "call": 0.0, "teardown": 0.0})
         for module, spent in self.modules.items():
             tiers[tier_of(module) or "other"] += spent
+            for phase, phase_s in self.phases[module].items():
+                tier_phases[tier_of(module) or "other"][phase] += phase_s
         wall = time.monotonic() - self.started
         return {
             "machine": self.machine,
@@ -220,8 +227,11 @@ class Budget:
             "outcomes": dict(self.outcomes),
             "wall_s": round(wall, 1),
             "tiers_s": {tier: round(spent, 1) for tier, spent in tiers.items()},
+            "tier_phases_s": {tier: {p: round(v, 1) for p, v in ph.items()} for tier, ph in tier_phases.items()},
             "modules_s": {module: round(spent, 1) for module, spent in
                           sorted(self.modules.items(), key=lambda kv: -kv[1])},
+            "module_phases_s": {module: {p: round(v, 1) for p, v in self.phases[module].items()}
+                                for module in sorted(self.modules, key=lambda m: -self.modules[m])},
             "pace": self.pace,
             "over_share": self.over_share(tiers, wall),
         }
@@ -233,11 +243,15 @@ class Budget:
                 small += 1
                 continue
             share = module_budget(module, self.pace)
-            out.append(f"{spent:8.1f}s  {module}" + (f"  (share {share:g}s)" if share else ""))
+            ph = table["module_phases_s"][module]
+            out.append(f"{spent:8.1f}s  {module}  (setup {ph['setup']:.0f}s, call {ph['call']:.0f}s, teardown "
+                       f"{ph['teardown']:.0f}s" + (f"; share {share:g}s)" if share else ")"))
         if small:
             out.append(f"{small} more module(s) under 5s each")
         out.append("  ".join(f"{tier}: {spent:.0f}s" for tier, spent in table["tiers_s"].items())
                    + f"  wall: {table['wall_s']:.0f}s")
+        out.append("setup (app and cluster starts) / call / teardown: " + "  ".join(
+            f"{tier} {ph['setup']:.0f}/{ph['call']:.0f}/{ph['teardown']:.0f}s" for tier, ph in table["tier_phases_s"].items()))
         m = table["machine"]
         out.append(f"machine: {m['cpu_model']}, {m['cores']} cores, {m['kind']} ({' '.join(m['isa_flags'])}); "
                    f"shares x{self.pace:g} here")

@@ -76,6 +76,9 @@ def test_a_slow_run_passes_and_writes_its_table(pytester, monkeypatch, tmp_path)
     result.stdout.fnmatch_lines(["*OVER ITS SHARE*", "*unit/test_slow.py: *s, over its 0s share*"])
     table = json.loads((tmp_path / "suite-times.json").read_text())
     assert table["outcomes"] == {"passed": 1}
+    phases = table["module_phases_s"]["unit/test_slow.py"]
+    assert set(phases) == {"setup", "call", "teardown"} and phases["call"] >= 0.05, phases
+    assert sum(phases.values()) == pytest.approx(table["modules_s"]["unit/test_slow.py"], abs=0.2)
     assert table["whole_tiers"] == ["unit"]
     assert set(table["machine"]) >= {"cpu_model", "isa_flags", "kind", "cores"}
 
