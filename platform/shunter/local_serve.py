@@ -5,6 +5,7 @@ Ray cluster with Serve on a free port, apps deployed on it and waited for, every
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -22,6 +23,8 @@ from shunter.ray_compat import init_metrics_port
 # Ray's default 30 s; it also raises an ingress deployment's graceful_shutdown_timeout_s to 35 s.
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 LOCAL_MIN_DRAINING_S = 2  # one machine, HAProxy reloaded within 0.1 s: no outside balancer to wait for
+# The folder of a cluster's direct-ingress files (local_cluster_env): each cluster started here has its own.
+HAPROXY_FOLDER = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
 
 
 # Ray's worker processes listen on ports 10002-19999 (`ray start --min/max-worker-port` defaults).
@@ -80,6 +83,35 @@ def local_cluster_env(direct: bool | None = None) -> dict[str, str]:
         MIN_DRAINING: os.environ.get(MIN_DRAINING, str(LOCAL_MIN_DRAINING_S)),
         **haproxy_without_splice(folder),  # so that a client's close reaches the gateway (shunter.ingress)
     }
+
+
+def reap_haproxy(folder: str | None, timeout_s: float = 5.0) -> list[int]:
+    """Stop the HAProxy processes of the cluster whose direct-ingress files are in `folder` (its
+    HAPROXY_FOLDER), once that cluster is down; returns their pids.
+
+    Why: deleting applications makes Serve's proxy reload HAProxy, which starts a new process, and a proxy
+    actor killed by the cluster's shutdown right after never stops that one: it stayed, parent 1, holding its
+    ports, after each full test run (docs/design.md, the suite's time). Only a process whose arguments name a
+    file in this cluster's own folder is stopped, so another cluster's HAProxy on the machine is left alone."""
+    if not folder:
+        return []
+    import psutil
+
+    inside = os.path.join(os.path.realpath(folder), "")
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and os.path.basename(cmd[0]) == "haproxy" and \
+                any(arg.startswith("/") and os.path.realpath(arg).startswith(inside) for arg in cmd[1:]):
+            found.append(proc)
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(found, timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [proc.pid for proc in found]
 
 
 def wait_ready(base_url: str, timeout_s: float = 900, path: str = "/ready") -> None:
@@ -142,3 +174,4 @@ def local_serve(metrics: bool = False, direct_ingress: bool | None = None) -> It
     finally:
         serve.shutdown()
         ray.shutdown()
+        reap_haproxy(env.get(HAPROXY_FOLDER))

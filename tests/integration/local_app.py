@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shunter.local_serve import free_port, local_cluster_env
+from shunter.local_serve import HAPROXY_FOLDER, free_port, local_cluster_env, reap_haproxy
 from shunter.ray_compat import init_metrics_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +39,7 @@ def stop_kept_cluster() -> None:
         _kept.clear()
         serve.shutdown()
         ray.shutdown()
+        reap_haproxy(os.environ.get(HAPROXY_FOLDER))  # a reload's HAProxy outlives the proxy actor
 
 
 def _start(metrics_port: int | None, host: str) -> int:
@@ -141,6 +142,7 @@ def local_app(args: dict[str, Any], name: str, metrics_port: int | None = None, 
         elif not keep_cluster:
             serve.shutdown()
             ray.shutdown()
+            reap_haproxy(os.environ.get(HAPROXY_FOLDER))
 
 
 def fault_dir() -> Path:

@@ -48,7 +48,7 @@ def serve_main(args: argparse.Namespace) -> int:
     http: dict[str, Any] = raw.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
     names = [a["name"] for a in apps]
-    from shunter.local_serve import local_cluster_env
+    from shunter.local_serve import HAPROXY_FOLDER, local_cluster_env, reap_haproxy
 
     os.environ.update(local_cluster_env())  # direct ingress (shunter.ingress) for the processes Ray starts
     ray.init(namespace="serve")
@@ -72,6 +72,7 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        reap_haproxy(os.environ.get(HAPROXY_FOLDER))
     return 0 if deployed else 1
 
 
