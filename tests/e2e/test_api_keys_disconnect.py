@@ -7,9 +7,9 @@ app's limits keep every request small (8 tokens, n <= 2, 200 prompt tokens), so 
 long is a burst of such requests, or one completions batch of many one-token prompts. The clients leave
 0.3 s after the engine has started on it (a whole reply while it waits, a stream mid-read). Then: the
 engine holds none of the requests within a few seconds, each is settled once: a 499 for its key when its
-client left, a 200 only for a reply its client read whole (never a 200 for nobody), the key is charged
-more than nothing and less than every token the burst could have made, and the platform serves the next
-request normally. A whole completions batch left after 2.5 s is charged the completion tokens its replica
+client left, a 200 for a reply its client read whole or that was finished as its client left (a few at
+most: never a burst run to its end for nobody), the key is charged more than nothing and less than every
+token the burst could have made, and the platform serves the next request normally. A whole completions batch left after 2.5 s is charged the completion tokens its replica
 had reported by then (shunter.engine_usage).
 """
 
@@ -198,13 +198,15 @@ def test_a_client_that_leaves_stops_its_work_and_is_charged_what_was_produced(ap
 
     after = _after(before, len(bodies))
     settled = (after["499"] - before["499"], after["200"] - before["200"])
-    if endpoint == "embedding":
-        # An input's embedding takes the engine milliseconds: a request it finished as its client left
-        # is a 200 written to a closed connection. Each still settles once, and most as 499s.
-        assert sum(settled) == len(bodies) and settled[0] >= left // 2, (settled, left)
-    else:
-        assert settled == (left, answered), \
-            "each request settled once: a 499 for each client that left (none ran to its end for nobody)"
+    # Each request settles once. A reply the engine finished in the instant its client left is a 200 written
+    # to a closed connection: the server cannot know it went unread (CI's slower machine saw 1 and 2 of 24).
+    # Such 200s are few: the engine dropped the rest (it held none within IDLE_WITHIN_S, above), as 499s.
+    # An input's embedding takes the engine milliseconds, so there half of those left may be such 200s.
+    unread = settled[1] - answered
+    most_unread = left // 2 if endpoint == "embedding" else len(bodies) // 4
+    assert sum(settled) == len(bodies) and settled[1] >= answered and unread <= most_unread, \
+        ("each request settled once: a 499 for each client that left, but for the few finished as it left",
+         settled, left, answered)
     # Charged what was produced: more than nothing, never every token the burst could have made (its
     # prompts as the engine counted them, which may be more than the door's estimate, and some completion).
     prompt, completion = after["prompt"] - before["prompt"], after["completion"] - before["completion"]
