@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from shunter import worker_fork
 from shunter.config import DEFAULT_VERSION, ConfigError, ModelConfig, ShunterConfig, parse_config
 from shunter.deployments.batch.deployment import BATCH_OPTIONS, BatchService
 from shunter.deployments.gateway.deployment import Gateway
@@ -22,7 +23,7 @@ from shunter.deployments.gateway.draining import SHUTDOWN_POLL_S, ray_shutdown_t
 from shunter.deployments.ledger.deployment import LEDGER_OPTIONS, UsageLedger
 from shunter.deployments.replica.model_server import ModelServer
 from shunter.routing.custom import guarded_path, import_router
-from shunter.serve_plan import GATEWAY_DEPLOYMENT, ClusterView, plan_deployments
+from shunter.serve_plan import GATEWAY_DEPLOYMENT, ClusterView, forks_workers, plan_deployments
 
 log = logging.getLogger("ray.serve")
 
@@ -75,6 +76,15 @@ _DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
 # env_vars; Serve merges them with an application's own).
 GATEWAY_ACTOR_OPTIONS = {"num_cpus": 0,
                          "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}}
+
+
+def gateway_actor_options(forked: bool) -> dict[str, Any]:
+    """The gateway's actor options; `forked`: its workers are forked from the node's server, as the model
+    replicas' are (shunter.serve_plan.forks_workers)."""
+    if not forked:
+        return GATEWAY_ACTOR_OPTIONS
+    return {**GATEWAY_ACTOR_OPTIONS,
+            "runtime_env": {**GATEWAY_ACTOR_OPTIONS["runtime_env"], "py_executable": worker_fork.EXECUTABLE}}
 
 
 def request_router_config(model: ModelConfig, accelerator: str, version: str = DEFAULT_VERSION) -> dict[str, Any]:
@@ -144,7 +154,7 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
         name=GATEWAY_DEPLOYMENT,
         num_replicas=cfg.gateway.replicas,
         max_ongoing_requests=cfg.gateway.max_ongoing_requests,
-        ray_actor_options=GATEWAY_ACTOR_OPTIONS,
+        ray_actor_options=gateway_actor_options(forks_workers(plans)),
         graceful_shutdown_timeout_s=ray_shutdown_timeout_s(max(m.draining.timeout_s for m in cfg.models)),
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         max_surge_percent=100,

@@ -29,6 +29,23 @@ def test_a_cpu_replica_is_forked_from_the_nodes_server_unless_its_engine_spawns(
     assert "runtime_env" not in spawned["ray_actor_options"], "spawn: Ray starts the worker as it always does"
 
 
+def test_the_gateway_is_forked_only_where_every_model_replica_is():
+    from shunter.deployments.app import gateway_actor_options
+    from shunter.serve_plan import forks_workers
+    from shunter.worker_fork import EXECUTABLE
+
+    forked = forks_workers(plan_deployments(parse_config({"models": [SMOL, MINI]}), CPU2))
+    one_spawns = forks_workers(plan_deployments(parse_config(
+        {"models": [SMOL, {**MINI, "engine": {"process_start": "spawn"}}]}), CPU2))
+    on_gpus = forks_workers(plan_deployments(parse_config({"models": [SMOL, {**MINI, "accelerator": "cpu"}]}),
+                                             ClusterView(has_gpus=True, largest_node_cpus=32)))
+    assert (forked, one_spawns, on_gpus) == (True, False, False)
+    options = gateway_actor_options(True)["runtime_env"]
+    assert options["py_executable"] == EXECUTABLE
+    assert options["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}, "its own env is kept"
+    assert "py_executable" not in gateway_actor_options(False)["runtime_env"]
+
+
 def test_a_lone_cpu_engine_gets_every_core():
     plans = plan_deployments(parse_config({"models": [SMOL]}), CPU2)
     assert plans["smol"]["default"]["cpu_cores"] == 2
