@@ -137,10 +137,12 @@ class RequestContext:
 
 
 def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None,
-                priority: int | None = None) -> dict[str, Any]:
+                priority: int | None = None, served_tier: str | None = None) -> dict[str, Any]:
     """The body the engine gets, built once from the parsed request: the canonical model name the engine
     knows, the tenant's cache salt where the prompt reaches the prefix cache, the scheduling `priority` of
-    its class for an engine that schedules by priority (`priority`; never the client's own). A stream's
+    its class for an engine that schedules by priority (`priority`; never the client's own), and on
+    OpenAI's APIs the `service_tier` its class is served at in place of the one asked for (`auto` among
+    them): the replica writes it into every reply and chunk, and vLLM's Responses echoes it. A stream's
     usage is the replica's to count (shunter.deployments.replica.stream_reader): its options stay the
     client's, their flags as the parsed request read them (`"false"` is false), so the replica, which reads
     the body it gets, decides on typed values."""
@@ -152,6 +154,8 @@ def engine_body(parsed: ParsedRequest, engine_name: str, cache_salt: str | None,
             body["priority"] = priority
     if endpoint.tenant_cache and cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if endpoint.tier_vocabulary == "openai" and served_tier is not None:
+        body["service_tier"] = served_tier
     options = body.get("stream_options")
     if parsed.stream and isinstance(options, dict):
         body["stream_options"] = {**options, "include_usage": parsed.usage_chunk,

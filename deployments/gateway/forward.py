@@ -147,7 +147,8 @@ class Forwarder:
             if model.engine.scheduling_policy == "priority" else None
         return RequestContext(endpoint, parsed, model, _request_id(), caller=caller, adapter=route, tier=tier,
                               session=session, priority_class=priority_class,
-                              engine_body=engine_body(parsed, engine_name, salt, priority))
+                              engine_body=engine_body(parsed, engine_name, salt, priority,
+                                                      self.config.flow_control.served_tier(priority_class)))
 
     def _refuse_if_full(self, request: Request, endpoint: Endpoint, caller: Caller, name: str,
                         body: dict[str, Any]) -> None:
@@ -161,7 +162,7 @@ class Forwarder:
         model = self.config.find_model(name)
         if model is None or not caller.may_use(model.name):
             return
-        priority_class = self.classes.early(caller, body, request.headers)
+        priority_class = self.classes.early(caller, endpoint, body, request.headers)
         if priority_class is None:
             return
         gate, rank = self.state.gate(model), self.config.flow_control.rank(priority_class)

@@ -35,7 +35,7 @@ import ray
 from ray import serve
 
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
-from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body
+from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body, served_tier
 from shunter.deployments.replica.telemetry import EngineMetrics, record_start, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.endpoints import ENDPOINTS, Endpoint
@@ -204,6 +204,7 @@ class ModelServer:
         produced = self.engine.produced
         streams = body.get("stream") is True
         body, usage_chunk_wanted = engine_stream_body(body, endpoint.wire)
+        tier = served_tier(endpoint, body)
         tally = Tally() if produced is not None else None  # a stream's running usage too
         counting = request_tally.set(tally)  # so does the tally
         work = asyncio.ensure_future(endpoint.engine_call(self.engine, body))
@@ -239,13 +240,15 @@ class ModelServer:
         renamed = route is not None and route.engine_name != route.name
         if renamed and isinstance(reply.body, dict) and "model" in reply.body:
             reply.body["model"] = route.name  # type: ignore[union-attr]
+        if tier is not None and reply.status == 200 and isinstance(reply.body, dict):
+            reply.body["service_tier"] = tier  # the tier served, as OpenAI's replies say it
         yield ReplyHead(reply.status, reply.body, reply.stream is not None)
         if reply.stream is not None:
             engine_name = name = None
             if renamed:  # an adapter's other version under rollout: the client sees the adapter's name
                 engine_name, name = f'"model":"{route.engine_name}"', f'"model":"{route.name}"'  # type: ignore[union-attr]
             counts = (lambda: produced(tally)) if tally is not None and produced is not None else None
-            reader = StreamReader(endpoint.wire, counts, usage_chunk_wanted)
+            reader = StreamReader(endpoint.wire, counts, usage_chunk_wanted, tier)
             async for chunk in reply.stream:
                 if isinstance(chunk, RequestFault):  # the request broke vLLM's layer mid-stream: its own error
                     yield reader.fault(endpoint.wire.error_event(chunk.message, chunk.status, chunk.code),

@@ -20,11 +20,23 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from shunter.endpoints import Endpoint
 from shunter.replica_protocol import StreamChunk, StreamEnd
 from shunter.wire_formats import WireFormat, cached_prompt_tokens
 
 _ERROR_EVENT = 'data: {"error"'
+_OBJECT_EVENT = 'data: {"'  # an event whose data is an object, up to its first key's quote
 _NO_CHOICES = ('"choices":[]', '"choices": []')  # vLLM's compact JSON; another engine's spaced one
+
+
+def served_tier(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """The `service_tier` the replica writes into each reply and chunk of OpenAI's chunk format (chat,
+    completions): the one the gateway put in the body for the request's class. vLLM's models have the
+    field on requests only; its Responses objects echo the request's, so nothing is written there."""
+    if endpoint.tier_vocabulary != "openai" or endpoint.wire.typed_events:
+        return None
+    tier = body.get("service_tier")
+    return tier if isinstance(tier, str) and tier.isidentifier() else None
 
 
 def engine_stream_body(body: dict[str, Any], wire: WireFormat) -> tuple[dict[str, Any], bool]:
@@ -48,9 +60,12 @@ class StreamReader:
     """One stream's reader; see the module docstring. `counts`: (prompt, completion) tokens the request
     has produced so far (None: an engine that cannot say; the final usage alone then counts)."""
 
-    def __init__(self, wire: WireFormat, counts: Callable[[], tuple[int, int]] | None, usage_chunk_wanted: bool):
+    def __init__(self, wire: WireFormat, counts: Callable[[], tuple[int, int]] | None, usage_chunk_wanted: bool,
+                 tier: str | None = None):
         self.wire, self.counts = wire, counts
         self.usage_chunk_wanted = usage_chunk_wanted
+        # Each chunk object starts with the tier served, as OpenAI's do (`service_tier` on every chunk).
+        self._tier_start = f'data: {{"service_tier":"{tier}","' if tier else None
         self._prompt = self._completion = 0
         self._final: tuple[int, int, int | None] | None = None
         self.error: dict[str, Any] | None = None
@@ -62,16 +77,31 @@ class StreamReader:
         elif text.startswith(_ERROR_EVENT):
             error = _event_json(text).get("error")
             self.error = error if isinstance(error, dict) else {"message": str(error)}
-        elif _NO_CHOICES[0] in text or _NO_CHOICES[1] in text:
-            usage = _event_json(text).get("usage")
-            if isinstance(usage, dict):
-                self._final = (_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
-                               cached_prompt_tokens(usage))
-                if not self.usage_chunk_wanted:
-                    return None
+        else:
+            if _NO_CHOICES[0] in text or _NO_CHOICES[1] in text:
+                usage = _event_json(text).get("usage")
+                if isinstance(usage, dict):
+                    self._final = (_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
+                                   cached_prompt_tokens(usage))
+                    if not self.usage_chunk_wanted:
+                        return None
+            if self._tier_start is not None:
+                text = self._with_tier(text)
         if self.counts is not None:
             self._prompt, self._completion = self.counts()
         return StreamChunk(text, self._prompt, self._completion)
+
+    def _with_tier(self, text: str) -> str:
+        """The tier written first into each chunk object (the usage chunk's too, as OpenAI's; never an error
+        event or [DONE]). One event per text nearly always; several are told apart by their line starts,
+        since JSON has no raw newline inside."""
+        start = self._tier_start
+        assert start is not None
+        if "\ndata: " not in text:
+            return start + text[len(_OBJECT_EVENT):] if text.startswith(_OBJECT_EVENT) else text
+        return "\n".join(start + line[len(_OBJECT_EVENT):]
+                         if line.startswith(_OBJECT_EVENT) and not line.startswith(_ERROR_EVENT) else line
+                         for line in text.split("\n"))
 
     def fault(self, text: str, error: dict[str, Any]) -> StreamChunk:
         """The error event of the request's own fault, found mid-stream (a 4xx: the client's)."""

@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
@@ -93,6 +93,9 @@ class Endpoint:
     # Its request model has vLLM's per-request scheduling `priority`: the gateway sets it from the request's
     # priority class for an engine with `scheduling_policy: priority`.
     engine_priority: bool = False
+    # Which `service_tier` values its requests take: OpenAI's (auto, default, flex, priority, scale, mapped
+    # by flow_control.service_tiers), Anthropic's (auto, standard_only), or none.
+    tier_vocabulary: Literal["openai", "anthropic"] | None = None
 
     @cached_property
     def validator(self) -> TypeAdapter:
@@ -185,12 +188,12 @@ CHAT = Endpoint(
     "chat", "/v1/chat/completions", "OpenAI chat completions", "generate", "chat",
     f"{_OPENAI}.chat_completion.protocol:ChatCompletionRequest", _read_chat, lambda engine, body: engine.chat(body), "messages",
     max_tokens_field="max_tokens", default_max_tokens="absent", message_list=True, judged=True,
-    engine_priority=True)
+    engine_priority=True, tier_vocabulary="openai")
 COMPLETION = Endpoint(
     "completion", "/v1/completions", "OpenAI completions", "generate", "text_completion",
     f"{_OPENAI}.completion.protocol:CompletionRequest", _read_completion, lambda engine, body: engine.completion(body), "prompt",
     max_tokens_field="max_tokens", default_max_tokens="null", batch_limit="max_completion_prompts",
-    judged=True, renders_before_stream=True, engine_priority=True)
+    judged=True, renders_before_stream=True, engine_priority=True, tier_vocabulary="openai")
 EMBEDDING = Endpoint(
     "embedding", "/v1/embeddings", "OpenAI embeddings", "embed", "embeddings",
     "vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest", _read_embedding, lambda engine, body: engine.embedding(body), "input",
@@ -199,11 +202,11 @@ RESPONSES = Endpoint(
     "responses", "/v1/responses", "OpenAI's Responses API, stateless", "generate", "chat",
     f"{_OPENAI}.responses.protocol:ResponsesRequest", _read_responses, lambda engine, body: engine.responses(body), "input",
     max_tokens_field="max_output_tokens", default_max_tokens="absent", message_list=True, wire=RESPONSES_EVENTS,
-    engine_priority=True)
+    engine_priority=True, tier_vocabulary="openai")
 MESSAGES = Endpoint(
     "messages", "/v1/messages", "Anthropic's Messages API", "generate", "chat",
     "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest", _read_messages, lambda engine, body: engine.messages(body), "messages",
-    max_tokens_field="max_tokens", message_list=True, wire=ANTHROPIC_EVENTS)
+    max_tokens_field="max_tokens", message_list=True, wire=ANTHROPIC_EVENTS, tier_vocabulary="anthropic")
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETION, EMBEDDING, RESPONSES, MESSAGES)}
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from .keyed_app import APP, FLOOD, FULL, LIGHT, METERED, METERED_REQUESTS_PER_MINUTE, TIMEOUT_S
+from .keyed_app import APP, FLOOD, FULL, JOBS, LIGHT, METERED, METERED_REQUESTS_PER_MINUTE, TIMEOUT_S
 from .live import CHAT_MODEL, gateways_that_served
 
 pytestmark = pytest.mark.own_app
@@ -88,6 +88,48 @@ def test_an_unknown_or_forbidden_class_is_refused_and_engine_priority_cannot_be_
         "a standard key may not ask for interactive"
     flex = httpx.post(url, json={**_body(0), "service_tier": "flex"}, headers=headers, timeout=TIMEOUT_S)
     assert flex.status_code == 200 and flex.headers["x-shunter-priority"] == "batch", flex.text
+
+
+def test_auto_is_the_keys_own_class_and_every_reply_and_chunk_says_the_tier_served(keyed_app_url):
+    """OpenAI's tiers through the official SDKs (issue 52): `auto` is the key's default class (a batch key's
+    `auto` was a 403 while it meant `standard`), and `service_tier` on a reply, on each streamed chunk and on
+    a Responses object is the tier of the class served: `flex` for batch, `default` for standard. The
+    Messages API takes Anthropic's `auto` and `standard_only`, and refuses OpenAI's values."""
+    import anthropic
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{keyed_app_url}/v1", api_key=key, timeout=TIMEOUT_S, max_retries=0)
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    jobs = client(JOBS).chat.completions.with_raw_response.create(
+        model=CHAT_MODEL, messages=messages, max_tokens=4, service_tier="auto")
+    assert jobs.headers["x-shunter-priority"] == "batch" and jobs.parse().service_tier == "flex"
+    chunks = list(client(LIGHT).chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=4,
+                                                         stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 2 and {c.service_tier for c in chunks} == {"default"}, [c.service_tier for c in chunks]
+    assert chunks[-1].usage is not None, "the usage chunk says it too"
+    # The SDK's legacy completions take no service_tier argument; the API reads the field all the same.
+    lowered = client(LIGHT).completions.create(model=CHAT_MODEL, prompt="Once", max_tokens=4,
+                                               extra_body={"service_tier": "flex"})
+    assert getattr(lowered, "service_tier", None) == "flex", lowered
+    reply = client(JOBS).responses.create(model=CHAT_MODEL, input="Name a colour.", max_output_tokens=8,
+                                          service_tier="auto")
+    assert reply.service_tier == "flex", reply.service_tier
+    events = list(client(LIGHT).responses.create(model=CHAT_MODEL, input="Name a colour.", max_output_tokens=8,
+                                                 stream=True))
+    # Eight tokens (the app's limit) end the response incomplete; each event with the response object says it.
+    with_response = [e for e in events if getattr(e, "response", None) is not None]
+    assert with_response[-1] is events[-1] and events[-1].type in ("response.completed", "response.incomplete")
+    assert {e.response.service_tier for e in with_response} == {"default"}, [e.type for e in with_response]
+
+    claude = anthropic.Anthropic(base_url=keyed_app_url, api_key=FULL, timeout=TIMEOUT_S, max_retries=0)
+    answer = claude.messages.with_raw_response.create(model=CHAT_MODEL, max_tokens=4, messages=messages,
+                                                      service_tier="standard_only")
+    assert answer.headers["x-shunter-priority"] == "standard" and answer.parse().content
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=CHAT_MODEL, max_tokens=4, messages=messages,
+                               extra_body={"service_tier": "flex"})
+    assert "standard_only" in str(refused.value)
 
 
 def _seconds(reset: str) -> float:

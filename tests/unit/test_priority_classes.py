@@ -161,19 +161,70 @@ def test_the_class_read_before_parsing_is_the_one_the_parsed_request_gets_or_non
     cfg = config([{"name": "jobs", "priority_class": "batch"}, {"name": "plain"}])
     classes = PriorityClasses(cfg.flow_control)
     jobs, plain = caller(cfg, "jobs"), caller(cfg, "plain")
-    cases = [(who, fields, headers) for who in (ANONYMOUS, jobs, plain)
+    bodies = {CHAT: {"model": "chat", "messages": [USER]}, RESPONSES: {"model": "chat", "input": "hi"},
+              MESSAGES: {"model": "chat", "max_tokens": 4, "messages": [USER]}}
+    cases = [(endpoint, who, fields, headers) for endpoint in bodies for who in (ANONYMOUS, jobs, plain)
              for fields in ({}, {"service_tier": "flex"}, {"service_tier": "priority"}, {"service_tier": None},
+                            {"service_tier": "auto"}, {"service_tier": "standard_only"},
                             {"service_tier": "scale"}, {"service_tier": 7}, {"priority": 3}, {"priority": "1"})
              for headers in ({}, {PRIORITY_HEADER: "batch"}, {PRIORITY_HEADER: "urgent"})]
     decided = 0
-    for who, fields, headers in cases:
-        early = classes.early(who, {"model": "chat", "messages": [USER], **fields}, headers)
+    for endpoint, who, fields, headers in cases:
+        early = classes.early(who, endpoint, {**bodies[endpoint], **fields}, headers)
         try:
-            later = classes.resolve(who, chat(**fields), headers)
+            parsed = parse(endpoint, {**bodies[endpoint], **fields})
+        except ApiError:
+            continue  # a body the door refuses whatever its class (Responses takes no null tier): 400 or 429
+        try:
+            later = classes.resolve(who, parsed, headers)
         except (ApiError, ValueError):
             later = None
         if early is not None:
             decided += 1
-            assert early == later, (who.name, fields, headers)
-    assert decided >= 10
-    assert classes.early(jobs, {"messages": [USER], "service_tier": ["flex"]}, {}) is None
+            assert early == later, (endpoint.name, who.name, fields, headers)
+    assert decided >= 30
+    assert classes.early(jobs, CHAT, {"messages": [USER], "service_tier": ["flex"]}, {}) is None
+
+
+def test_auto_is_the_callers_default_class_as_at_openai():
+    """OpenAI's `auto` is the project's default tier: here the key's default class, whichever it is (it was
+    `standard` for every key, so an interactive key's `auto` was a 403)."""
+    cfg = config([{"name": "app", "priority_class": "interactive"}, {"name": "jobs", "priority_class": "batch"},
+                  {"name": "plain"}])
+    classes = PriorityClasses(cfg.flow_control)
+    for name, default in (("app", "interactive"), ("jobs", "batch"), ("plain", "standard")):
+        for endpoint, body in ((CHAT, {"model": "chat", "messages": [USER]}), (RESPONSES, {"model": "chat", "input": "x"})):
+            asked = parse(endpoint, {**body, "service_tier": "auto"})
+            assert classes.resolve(caller(cfg, name), asked, {}) == default, (name, endpoint.name)
+    assert classes.resolve(ANONYMOUS, chat(service_tier="auto"), {}) == "standard"
+    # `auto` beside the header: the header decides, and never conflicts with it.
+    assert classes.resolve(caller(cfg, "app"), chat(service_tier="auto"), {PRIORITY_HEADER: "batch"}) == "batch"
+    with pytest.raises(ConfigError, match="`auto` cannot be mapped"):
+        config(service_tiers={"auto": "batch"})
+
+
+def test_the_messages_api_takes_anthropics_tiers():
+    """Anthropic's `auto` is the caller's default; `standard_only` the same, but never more urgent than the
+    class of OpenAI's `default` tier; any other value is a 400 naming the two."""
+    cfg = config([{"name": "app", "priority_class": "interactive"}, {"name": "jobs", "priority_class": "batch"}])
+    classes = PriorityClasses(cfg.flow_control)
+
+    def messages(**fields: Any) -> Any:
+        return parse(MESSAGES, {"model": "chat", "max_tokens": 4, "messages": [USER], **fields})
+
+    app, jobs = caller(cfg, "app"), caller(cfg, "jobs")
+    assert classes.resolve(app, messages(service_tier="auto"), {}) == "interactive"
+    assert classes.resolve(app, messages(service_tier="standard_only"), {}) == "standard"
+    assert classes.resolve(jobs, messages(service_tier="standard_only"), {}) == "batch", "never raised"
+    for odd in ("flex", "priority", 3):
+        error = refusal(classes.resolve, app, messages(service_tier=odd), {})
+        assert (error.status, error.code, error.param) == (400, "unsupported_service_tier", "service_tier")
+        assert "standard_only" in error.message
+
+
+def test_a_reply_says_its_class_tier():
+    flow = config().flow_control
+    assert [flow.served_tier(c) for c in ("interactive", "standard", "batch")] == ["priority", "default", "flex"]
+    custom = config(classes=[{"name": "now"}, {"name": "later", "capacity_share": 0.5}], default_class="now",
+                    service_tiers={"scale": "now", "priority": "now"}).flow_control
+    assert (custom.served_tier("now"), custom.served_tier("later")) == ("scale", "default")

@@ -273,3 +273,41 @@ def test_a_messages_stream_reads_anthropics_error_event():
     reader = StreamReader(MESSAGES.wire, Engine(), usage_chunk_wanted=False)
     reader.chunk(_sse("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}))
     assert reader.end().error == {"message": "busy", "type": "overloaded_error", "code": 500}
+
+
+def _objects(stream: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in stream.split("\n")
+            if line.startswith("data: {")]
+
+
+def test_every_chunk_says_the_tier_served_and_nothing_else_changes(dumps):
+    """OpenAI's chunks each carry `service_tier`: the replica writes the class's tier (the gateway put it in
+    the body) first into each chunk object, the usage chunk too; an error event and [DONE] stay as sent."""
+    tier = "flex"
+    reader = StreamReader(OPENAI_CHUNKS, None, usage_chunk_wanted=True, tier=tier)
+    sent = [_chunk(dumps, "Hel"), _chunk(dumps, 'lo "data: {"\n'), _usage(dumps), DONE]
+    written = [reader.chunk(text).text for text in sent]
+    assert [o["service_tier"] for o in _objects("".join(written))] == [tier] * 3
+    for before, after in zip(sent[:3], written[:3], strict=True):
+        assert {k: v for k, v in _objects(after)[0].items() if k != "service_tier"} == _objects(before)[0]
+    assert written[3] == DONE
+    error = _event(dumps, {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})
+    assert reader.chunk(error).text == error
+    # Two events in one text: each marked, the content that looks like an event start left alone.
+    both = reader.chunk(_chunk(dumps, "a") + _chunk(dumps, "data: {\"b")).text
+    assert [o["service_tier"] for o in _objects(both)] == [tier, tier]
+    assert [o["choices"][0]["delta"]["content"] for o in _objects(both)] == ["a", 'data: {"b']
+
+
+def test_a_reply_says_its_tier_only_on_openais_chunk_apis():
+    from shunter.deployments.replica.stream_reader import served_tier
+    from shunter.endpoints import EMBEDDING
+
+    assert served_tier(CHAT, {"service_tier": "priority"}) == "priority"
+    assert served_tier(COMPLETION, {"service_tier": "default"}) == "default"
+    # Responses objects echo the request's tier (vLLM); Messages and embeddings have no OpenAI tier.
+    assert [served_tier(e, {"service_tier": "flex"}) for e in (RESPONSES, MESSAGES, EMBEDDING)] == [None] * 3
+    assert served_tier(CHAT, {}) is None and served_tier(CHAT, {"service_tier": 'x","y'}) is None
+    plain = StreamReader(OPENAI_CHUNKS, None, usage_chunk_wanted=False)
+    text = _chunk(json.dumps, "x")
+    assert plain.chunk(text).text == text, "no tier: the bytes pass as they are"

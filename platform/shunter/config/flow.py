@@ -1,10 +1,11 @@
 """`flow_control:`: who goes first when a model is full. Priority classes, named and ordered from the most
 urgent; each with how long one of its requests may wait for a slot before it is refused instead.
 
-A request asks for a class with OpenAI's own `service_tier` field (mapped to a class by `service_tiers`) or
-the `x-shunter-priority` header (a class by name); a key has a default class and the classes it may ask for
-(`auth.keys[].priority_class`, `auth.keys[].priority_classes`). Without keys, `default_class` applies and
-any class may be asked for.
+A request asks for a class with OpenAI's own `service_tier` field (mapped to a class by `service_tiers`;
+`auto`, as at OpenAI, is the caller's default) or the `x-shunter-priority` header (a class by name); a key
+has a default class and the classes it may ask for (`auth.keys[].priority_class`,
+`auth.keys[].priority_classes`). Without keys, `default_class` applies and any class may be asked for.
+Every reply says the tier it was served at: its class's first tier in `service_tiers`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shunter.config.auth import KEY_NAME_PATTERN
 from shunter.config.base import StrictModel
 
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's `service_tier` values
+AUTO_TIER = "auto"  # OpenAI's "the caller's default": never mapped to a class of its own
 
 
 class PriorityClassConfig(StrictModel):
@@ -62,10 +64,10 @@ class FlowControlConfig(StrictModel):
     default_class: str = Field(
         default="standard", description="The class of a request that names none, from a key that names none.")
     service_tiers: dict[str, str] = Field(
-        default_factory=lambda: {"priority": "interactive", "default": "standard", "auto": "standard",
-                                 "flex": "batch"},
-        description="OpenAI's `service_tier` values (auto, default, flex, scale, priority) to classes; a value "
-        "not listed is a 400.",
+        default_factory=lambda: {"priority": "interactive", "default": "standard", "flex": "batch"},
+        description="OpenAI's `service_tier` values (default, flex, scale, priority) to classes; a value not "
+        "listed is a 400, and `auto` (like no tier) is always the caller's default class. A reply's "
+        "`service_tier` is its class's first tier here (`default` for a class with none).",
     )
 
     @model_validator(mode="after")
@@ -76,6 +78,9 @@ class FlowControlConfig(StrictModel):
         if self.default_class not in names:
             raise ValueError(f"flow_control.default_class: {self.default_class!r} is not one of the classes {names}")
         for tier, name in self.service_tiers.items():
+            if tier == AUTO_TIER:
+                raise ValueError("flow_control.service_tiers: `auto` cannot be mapped: it means the caller's "
+                                 "default class (the key's priority_class, else default_class), as at OpenAI")
             if tier not in SERVICE_TIERS:
                 raise ValueError(f"flow_control.service_tiers: {tier!r} is not an OpenAI service_tier "
                                  f"({', '.join(SERVICE_TIERS)})")
@@ -89,6 +94,10 @@ class FlowControlConfig(StrictModel):
                 raise ValueError(f"flow_control.classes[{less.name}].capacity_share: {less.capacity_share:g} is more "
                                  f"than the more urgent {more.name}'s {more.capacity_share:g}")
         return self
+
+    def served_tier(self, name: str) -> str:
+        """The `service_tier` a reply served in class `name` says: the class's first tier, else `default`."""
+        return next((tier for tier, cls in self.service_tiers.items() if cls == name), "default")
 
     def rank(self, name: str) -> int:
         """0 for the most urgent class."""
