@@ -121,6 +121,7 @@ class RequestContext:
     tier: Decision | None = None  # `model: auto`: the tier chosen
     session: str | None = None  # the conversation (keeps its version)
     priority_class: str = ""  # its flow-control class (shunter.deployments.gateway.priority); "" for our own
+    price_multiplier: float = 1.0  # its class's, on the model's pricing (flow_control.classes[].price_multiplier)
     engine_body: dict[str, Any] = field(default_factory=dict)  # the body as the engine gets it
     limits: RequestLimits = field(default_factory=RequestLimits)
     ticket: Any = None  # the caller's quota reservation (shunter.deployments.gateway.access.Ticket)

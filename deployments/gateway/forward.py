@@ -147,6 +147,7 @@ class Forwarder:
             if model.engine.scheduling_policy == "priority" else None
         return RequestContext(endpoint, parsed, model, _request_id(), caller=caller, adapter=route, tier=tier,
                               session=session, priority_class=priority_class,
+                              price_multiplier=self.config.flow_control.price_multiplier(priority_class),
                               engine_body=engine_body(parsed, engine_name, salt, priority,
                                                       self.config.flow_control.served_tier(priority_class)))
 

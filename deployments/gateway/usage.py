@@ -189,7 +189,7 @@ def usage_record(end: EndedRequest, outcome: Outcome, now: Callable[[], float] =
         model=ctx.model.name, adapter=ctx.adapter.name if ctx.adapter is not None else "",
         priority_class=ctx.priority_class, endpoint=ctx.endpoint.name, status=str(outcome.status),
         prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-        cost=cost_of(ctx.model.pricing, prompt, cached, completion))
+        cost=cost_of(ctx.model.pricing, prompt, cached, completion, ctx.price_multiplier))
 
 
 def record_usage(writer: UsageWriter | None) -> Callable[[EndedRequest, Outcome], None]:

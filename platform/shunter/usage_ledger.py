@@ -71,14 +71,16 @@ class UsageRecord:
         return cls(**data)
 
 
-def cost_of(pricing: Pricing | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float | None:
+def cost_of(pricing: Pricing | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+            multiplier: float = 1.0) -> float | None:
     """What the tokens cost under `pricing` (None without one): the prompt tokens the engine had not cached at
-    the input price, the cached ones at the cached price, the completion at the output price."""
+    the input price, the cached ones at the cached price, the completion at the output price; all of it times
+    the request's class's `multiplier`."""
     if pricing is None:
         return None
     cached = max(0, min(cached_tokens, prompt_tokens))
     return ((prompt_tokens - cached) * pricing.input_per_million + cached * pricing.cached_price
-            + completion_tokens * pricing.output_per_million) / 1e6
+            + completion_tokens * pricing.output_per_million) * multiplier / 1e6
 
 
 _SCHEMA = """

@@ -61,10 +61,12 @@ PRICING = {"input_per_million": 0.5, "cached_input_per_million": 0.25, "output_p
 # gateways; headroom is counted in those, fewer than the 32 slots), so a burst of them queues in the gateways
 # while the engine has room to spare.
 LANE_SLOTS = 2
+BATCH_PRICE_MULTIPLIER = 0.5  # flex served at half the model's prices (tests/e2e/test_api_keys_usage.py)
 FLOW_CONTROL = {
     "classes": [{"name": "interactive", "max_wait_s": 10},
                 {"name": "standard", "min_share": 0.1},
-                {"name": "batch", "max_wait_s": 50, "capacity_share": 0.75, "min_share": 0.05},
+                {"name": "batch", "max_wait_s": 50, "capacity_share": 0.75, "min_share": 0.05,
+                 "price_multiplier": BATCH_PRICE_MULTIPLIER},
                 {"name": "lane", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)},
                 {"name": "lane-low", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)}],
     "default_class": "standard",

@@ -1,7 +1,7 @@
 """Usage and cost per tenant on the keyed app (tests/e2e/keyed_app.py; issue 38): the usage ledger, read
 through GET /admin/usage, equals what the clients were told in their replies' `usage`, per key and model,
 through both gateway replicas (each sends its records to the one ledger in batches), with the chat model's
-pricing applied. Clients are the official OpenAI SDK."""
+pricing applied, times the batch class's price multiplier for what was served as flex. Clients are the official OpenAI SDK."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .keyed_app import ADMIN, EMBED_MODEL, LEDGER_A, LEDGER_B, PRICING, TIMEOUT_S
+from .keyed_app import ADMIN, BATCH_PRICE_MULTIPLIER, EMBED_MODEL, LEDGER_A, LEDGER_B, PRICING, TIMEOUT_S
 from .live import CHAT_MODEL
 
 pytestmark = pytest.mark.own_app
@@ -83,11 +83,16 @@ def test_the_ledger_equals_what_each_tenant_was_told_with_its_cost(keyed_app_url
     for row in rows:
         want = told[(row["key"], row["model"])]
         assert {k: row[k] for k in want} == want, (row, want)
+    # The cost, class by class: the chat model's pricing times the class's price multiplier (batch's is
+    # BATCH_PRICE_MULTIPLIER, the others' 1).
+    by_class = _usage(keyed_app_url, since=since, group_by="key,model,priority_class").json()["data"]
+    for row in (r for r in by_class if r["key"] in ("ledger-a", "ledger-b")):
         if row["model"] == CHAT_MODEL:
             uncached = row["prompt_tokens"] - row["cached_tokens"]
             cost = (uncached * PRICING["input_per_million"] + row["cached_tokens"] * PRICING["cached_input_per_million"]
                     + row["completion_tokens"] * PRICING["output_per_million"]) / 1e6
-            assert row["cost"] == pytest.approx(cost, rel=1e-9), row
+            multiplier = BATCH_PRICE_MULTIPLIER if row["priority_class"] == "batch" else 1.0
+            assert row["cost"] == pytest.approx(cost * multiplier, rel=1e-9), row
         else:
             assert row["cost"] is None, "the embedding model has no pricing"
 

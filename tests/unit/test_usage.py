@@ -222,6 +222,28 @@ def test_a_record_holds_what_the_key_was_charged_and_its_cost():
     assert r.request_id == end.ctx.routing_id != "client-id", "the gateway's own id: a client's X-Request-ID may repeat"
 
 
+def test_a_class_price_multiplier_scales_the_cost_and_nothing_else():
+    access = AccessControl(CONFIG)
+    caller = access.client({})
+    ticket = access.admit(caller, "m", ParsedRequest(CHAT, {"messages": [{"role": "user", "content": "hi"}]}))
+    end = _end(caller, ticket=ticket)
+    ticket.settle("200", 100, 10)
+    full = usage_record(end, served(200))
+    end.ctx.price_multiplier = 0.5
+    half = usage_record(end, served(200))
+    assert half.cost == pytest.approx(full.cost / 2) and full.cost > 0
+    assert (half.prompt_tokens, half.completion_tokens) == (full.prompt_tokens, full.completion_tokens)
+    flow = parse_config({"models": [PRICED], "flow_control": {"classes": [
+        {"name": "interactive", "price_multiplier": 2}, {"name": "batch", "capacity_share": 0.5,
+                                                         "price_multiplier": 0.5}],
+        "default_class": "interactive", "service_tiers": {"priority": "interactive", "flex": "batch"}}}).flow_control
+    assert [flow.price_multiplier(c) for c in ("interactive", "batch", "")] == [2, 0.5, 1.0]
+    for odd in (float("nan"), -1, 1e9, "free"):
+        with pytest.raises(ConfigError, match="price_multiplier"):
+            parse_config({"models": [PRICED], "flow_control": {"classes": [{"name": "only", "price_multiplier": odd}],
+                                                                "default_class": "only", "service_tiers": {}}})
+
+
 def test_a_request_that_never_reached_an_engine_records_zero_tokens():
     access = AccessControl(CONFIG)
     caller = access.client({})

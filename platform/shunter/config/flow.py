@@ -45,6 +45,11 @@ class PriorityClassConfig(StrictModel):
         "that free which this class still gets when its requests wait (0.05: one in twenty). 0 = strict "
         "priority: it waits until no more urgent request does.",
     )
+    price_multiplier: float = Field(
+        default=1.0, ge=0, le=100,
+        description="The model's `pricing` times this for a request served in this class, as the usage ledger "
+        "records its cost (OpenAI's flex cheaper, priority dearer: 0.5, 2). 1 = the model's prices.",
+    )
 
 
 def _default_classes() -> list[PriorityClassConfig]:
@@ -98,6 +103,10 @@ class FlowControlConfig(StrictModel):
     def served_tier(self, name: str) -> str:
         """The `service_tier` a reply served in class `name` says: the class's first tier, else `default`."""
         return next((tier for tier, cls in self.service_tiers.items() if cls == name), "default")
+
+    def price_multiplier(self, name: str) -> float:
+        """Class `name`'s price multiplier; 1 for a request of no class (the platform's own)."""
+        return next((c.price_multiplier for c in self.classes if c.name == name), 1.0)
 
     def rank(self, name: str) -> int:
         """0 for the most urgent class."""
