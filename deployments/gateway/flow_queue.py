@@ -25,6 +25,14 @@ at once wait here for a slot, and leave in an order that is fair.
 Each gateway replica queues its own share of a model's slots (`capacity` is this gateway's share, as for
 admission), so with several gateways, each shares its part fairly and the whole stays fair.
 
+Shares by what was used (issue 52, item 4): charged what it *may* use (its prompt estimate and `max_tokens`,
+or the model's default: thousands of tokens for a client that sends no `max_tokens`), a tenant that leaves
+`max_tokens` out got about a hundredth of the turns of one asking for 16. So a request is charged what its
+tenant's requests in this class really used of late (a moving average, never more than it may use; what it
+may use until the tenant has a history), and the charge is corrected when it ends (`FairCharge.refund`): the
+difference is given back, or charged, to the tenant, and its requests still waiting move by it; a request
+that leaves unserved gives all of its charge back.
+
 A request that waits past its deadline, or whose client leaves, gives up its place (nothing is held). A
 request that got its turn holds it until it ends (`leave`). Capacity that grows without a request ending (a
 replica started) is noticed every `tick_s` while requests wait.
@@ -50,6 +58,10 @@ class _Waiter:
     tenant: str = field(compare=False)
 
 
+_USED_WEIGHT = 0.3  # the moving average's weight of a tenant's latest request
+_MOST_TENANTS = 10_000  # tenants' averages kept per class before those fallen behind the clock are dropped
+
+
 class _ClassQueue:
     """One class's waiting requests, in start-tag order, and its tenants' fair-queueing tags."""
 
@@ -58,6 +70,7 @@ class _ClassQueue:
         self.waiting = 0  # requests in the heap still waiting (those given up stay there until they surface)
         self.clock = 0.0  # the start tag of the request last given a turn
         self.last_finish: dict[str, float] = {}
+        self.used: dict[str, float] = {}  # per tenant: a moving average of the tokens its requests used
         self.credit = 0.0  # anti-starvation turns earned
 
     def push(self, waiter: _Waiter, cost: float, weight: float) -> None:
@@ -82,10 +95,49 @@ class _ClassQueue:
             self.last_finish = {t: f for t, f in self.last_finish.items() if f > self.clock}
         return waiter
 
+    def expected(self, tenant: str, at_most: float) -> float:
+        """What a request of `tenant` that may use `at_most` tokens is charged: its recent average, capped."""
+        used = self.used.get(tenant)
+        return at_most if used is None else max(1.0, min(at_most, used))
+
+    def shift(self, tenant: str, by: float) -> None:
+        """Tenant's virtual time moves by `by` (a charge corrected): its next request's tag and those of
+        its requests still waiting, never before the clock (no credit is saved up)."""
+        if tenant in self.last_finish:
+            self.last_finish[tenant] -= by
+        moved = False
+        for waiter in self.heap:
+            if waiter.tenant == tenant and not waiter.turn.done():
+                waiter.start = max(self.clock, waiter.start - by)
+                moved = True
+        if moved:
+            heapq.heapify(self.heap)
+
     def give_up(self, turn: asyncio.Future[None]) -> None:
         """A waiting request left (its deadline passed, its client left): it no longer counts."""
         turn.cancel()
         self.waiting -= 1
+
+
+@dataclass(frozen=True)
+class FairCharge:
+    """What one request was charged in its class's fair queue: `cost` tokens against `tenant`'s share."""
+
+    queue: FlowQueue
+    rank: int
+    tenant: str
+    weight: float
+    cost: float
+
+    def refund(self, used: float) -> None:
+        """The request ended having used `used` tokens: its charge is corrected to them (what was charged
+        beyond them goes back to its tenant; what it used beyond them is charged)."""
+        used = max(0.0, used)
+        self.queue.correct(self.rank, self.tenant, (self.cost - used) / self.weight, used)
+
+    def give_back(self) -> None:
+        """The request left unserved: all of its charge goes back."""
+        self.queue.correct(self.rank, self.tenant, self.cost / self.weight)
 
 
 class FlowQueue:
@@ -121,38 +173,54 @@ class FlowQueue:
         return waiting + max(0, self.dispatched - self._limit(rank) + 1)
 
     async def enter(self, timeout_s: float, rank: int = 0, tenant: str = "", weight: float = 1.0,
-                    cost: float = 1.0) -> bool:
-        """Wait for this request's turn: True once it may go, False after `timeout_s` (it then holds nothing).
-        A request cancelled while it waits holds nothing either. `tenant` and `weight`: whose request it is
-        and that tenant's share; `cost`: the work it may make (tokens), which its tenant's share pays for."""
+                    cost: float = 1.0) -> FairCharge | None:
+        """Wait for this request's turn: its charge once it may go, None after `timeout_s` (it then holds
+        nothing). A request cancelled while it waits holds nothing either. `tenant` and `weight`: whose request
+        it is and that tenant's share; `cost`: the most work it may make (tokens), of which its tenant's share
+        pays what the tenant's requests really used of late (corrected when it ends: `FairCharge.refund`)."""
         queue = self._queues[rank]
         self._pump()  # drops turns given up, so a queue of only those is no queue
+        charge = FairCharge(self, rank, tenant, weight, queue.expected(tenant, cost))
         if self.depth == 0 and self.dispatched < self._limit(rank):
             queue.clock = max(queue.clock, queue.start_tag(tenant))
-            queue.last_finish[tenant] = queue.clock + cost / weight
+            queue.last_finish[tenant] = queue.clock + charge.cost / weight
             self.dispatched += 1
-            return True
+            return charge
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue.push(_Waiter(queue.start_tag(tenant), next(self._seq), turn, tenant), cost, weight)
+        queue.push(_Waiter(queue.start_tag(tenant), next(self._seq), turn, tenant), charge.cost, weight)
         self._pump()  # a less urgent class may still have room for it: then it goes at once
         self._tick()
         try:
             async with asyncio.timeout(timeout_s):
                 await turn
-            return True
+            return charge
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # its turn came as the time ran out: it holds it
-                return True
+                return charge
             queue.give_up(turn)
+            charge.give_back()
             self._pump()
-            return False
+            return None
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self.leave()
             else:
                 queue.give_up(turn)
                 self._pump()
+            charge.give_back()  # unserved: it used nothing
             raise
+
+    def correct(self, rank: int, tenant: str, by: float, used: float | None = None) -> None:
+        """Tenant's share in class `rank` moves back by `by` (of virtual time: tokens / weight); `used`: the
+        tokens a request of it used, for its moving average."""
+        queue = self._queues[rank]
+        if used is not None:
+            last = queue.used.get(tenant)
+            queue.used[tenant] = used if last is None else last + _USED_WEIGHT * (used - last)
+            if len(queue.used) > _MOST_TENANTS:  # keep the tenants with tags still ahead of the clock
+                queue.used = {t: u for t, u in queue.used.items() if t in queue.last_finish}
+        if by:
+            queue.shift(tenant, by)
 
     def leave(self) -> None:
         """A request that had its turn ended, however it ended."""

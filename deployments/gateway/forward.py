@@ -293,11 +293,12 @@ class Forwarder:
             wait = max(wait, model.autoscaling.cold_start_timeout_s)  # type: ignore[union-attr]
         share = caller.config.weight if caller is not None and caller.config is not None else 1.0
         cost = max(1, ticket.tokens_at_most) if ticket is not None else 1
-        if not await queue.enter(wait, rank, tenant, share, cost):
+        charge = await queue.enter(wait, rank, tenant, share, cost)
+        if charge is None:
             tel.refused("cold_start_timeout" if cold else "queue_timeout")
             raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank), rank, retry_key, weight))
         tel.turn()
-        end.dispatched(queue)
+        end.dispatched(queue, charge)
         return await self._admitted(end, versions)
 
     def _prompt_for_logs(self, body: dict[str, Any]) -> str | None:

@@ -42,7 +42,7 @@ from typing import Any
 from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.context import Ending, Outcome, RequestContext, client_gone, refused
 from shunter.deployments.gateway.draining import DrainTracker
-from shunter.deployments.gateway.flow_queue import FlowQueue
+from shunter.deployments.gateway.flow_queue import FairCharge, FlowQueue
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.deployments.gateway.usage import UsageWriter, record_usage
@@ -114,6 +114,7 @@ class RequestEnd:
         self.gate: AdmissionGate | None = None
         self.gate_weight, self.gate_rank = 1, 0
         self.turn: FlowQueue | None = None  # the flow queue whose turn the request holds
+        self.charge: FairCharge | None = None  # what its tenant's fair share was charged for it there
         self.reply: Reply | None = None
 
     @property
@@ -125,9 +126,10 @@ class RequestEnd:
         priority class `rank`."""
         self.gate, self.gate_weight, self.gate_rank = gate, weight, rank
 
-    def dispatched(self, queue: FlowQueue) -> None:
-        """The request had its turn in `queue` and goes to the replicas."""
-        self.turn = queue
+    def dispatched(self, queue: FlowQueue, charge: FairCharge | None = None) -> None:
+        """The request had its turn in `queue` and goes to the replicas; `charge`: what it cost its tenant's
+        share there, corrected by what it used when it ends."""
+        self.turn, self.charge = queue, charge
 
     def attach(self, reply: Reply) -> None:
         """The replica answered and its reply goes to the client (a stream: counted open for its drain)."""
@@ -193,6 +195,9 @@ def record_breaker(end: RequestEnd, outcome: Outcome) -> None:
 def release_admission(end: RequestEnd, outcome: Outcome) -> None:
     if end.turn is not None:
         end.turn.leave()
+    if end.charge is not None:  # the tokens it really used, as the engine reported them (cut short: so far)
+        usage = end.ctx.usage
+        end.charge.refund(max(usage.prompt_tokens + usage.completion_tokens, sum(usage.in_engine)))
     if end.gate is not None:
         end.gate.release(end.gate_weight, end.gate_rank)
 

@@ -256,3 +256,54 @@ def test_headroom_is_counted_in_the_sequences_the_engine_runs_when_fewer_than_th
     assert admitted == 24 and urgent
     unlimited = FlowQueue(lambda: 64, classes, running=lambda: 128)
     assert unlimited._limit(1) == 48 and unlimited._limit(0) == 64, "more sequences than slots: the slots count"
+
+
+def _closed_loops(refund: bool) -> list[str]:
+    """Two tenants of one class, three requests each always waiting or running on one slot: `heavy` is
+    charged 2,000 tokens a request (it sends no max_tokens), `light` 20, and each really uses 20. Returns who
+    was served, in order."""
+
+    async def run() -> list[str]:
+        queue, served = FlowQueue(lambda: 1), []
+
+        async def worker(tenant: str, cost: float) -> None:
+            while len(served) < 60:
+                charge = await queue.enter(5, 0, tenant, 1.0, cost)
+                assert charge is not None
+                served.append(tenant)
+                await asyncio.sleep(0)  # the request runs
+                queue.leave()
+                if refund:
+                    charge.refund(20)
+
+        await asyncio.gather(*(worker(t, c) for t, c in (("heavy", 2000), ("light", 20)) for _ in range(3)))
+        return served[:60]
+
+    return _run(run())
+
+
+def test_a_charge_is_corrected_by_what_was_used_so_leaving_out_max_tokens_costs_no_share():
+    """Issue 52, item 4: charged by what a request may use, a tenant that sends no max_tokens got about a
+    hundredth of the turns of one asking for 20; corrected by what each used, the two share the slot."""
+    uncorrected, corrected = _closed_loops(refund=False), _closed_loops(refund=True)
+    assert uncorrected.count("heavy") <= 6, uncorrected
+    assert 25 <= corrected.count("heavy") <= 35, corrected
+
+
+def test_a_request_that_leaves_unserved_gives_its_whole_charge_back():
+    async def run() -> tuple[float, float]:
+        queue = FlowQueue(lambda: 1)
+        assert await queue.enter(1, 0, "other", 1.0, 1.0)  # holds the slot
+        before = queue._queues[0].start_tag("t")
+        assert not await queue.enter(0.05, 0, "t", 1.0, 500.0), "timed out waiting"
+        after_timeout = queue._queues[0].start_tag("t")
+        waiting = asyncio.ensure_future(queue.enter(5, 0, "t", 1.0, 500.0))
+        await until(lambda: queue.depth == 1)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert queue._queues[0].start_tag("t") == before
+        return before, after_timeout
+
+    before, after_timeout = _run(run())
+    assert after_timeout == before, "the timed-out request's 500 tokens are not held against its tenant"
