@@ -11,6 +11,7 @@ cluster before the next one starts, so their engines never compete for the same 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,6 +70,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # After every other plugin's: the status a plugin may have set on the session (session.exitstatus), which
     # the `exitstatus` argument (given before any hook ran) never shows.
     _EXIT_STATUS.append(int(session.exitstatus))
+    # A run that ends on the kept cluster (no own-cluster module after it: `pytest tests/e2e/test_x.py`)
+    # stops it here, with the HAProxy its proxy started: the interpreter's exit, where Ray would stop the
+    # cluster, is skipped (pytest_unconfigure). Each such run left one HAProxy behind.
+    kept = sys.modules.get("tests.integration.local_app")
+    if kept is not None:
+        try:
+            kept.stop_kept_cluster()
+        except Exception as exc:  # noqa: BLE001 - the run's outcome is the tests', not this cleanup's
+            print(f"\nthe kept Ray cluster did not stop cleanly: {exc!r}", file=sys.stderr)
 
 
 @pytest.hookimpl(trylast=True)
