@@ -20,13 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from shunter.auth import Caller
-from shunter.config import FlowControlConfig
+from shunter.config import AUTO_TIER, FlowControlConfig
 from shunter.endpoints import Endpoint, ParsedRequest
 from shunter.errors import ApiError
 
 PRIORITY_HEADER = "x-shunter-priority"
-_AUTO = "auto"
-_ANTHROPIC_TIERS = (_AUTO, "standard_only")
+_ANTHROPIC_TIERS = (AUTO_TIER, "standard_only")
 
 
 class PriorityClasses:
@@ -90,7 +89,7 @@ class PriorityClasses:
     def _tier_class(self, endpoint: Endpoint, tier: object, default: str) -> str | None:
         """The class `tier` asks for on `endpoint` (None: the caller's default); ApiError 400 for a tier the
         endpoint's vocabulary does not have."""
-        if tier is None or tier == _AUTO or endpoint.tier_vocabulary is None:
+        if tier is None or tier == AUTO_TIER or endpoint.tier_vocabulary is None:
             return None
         if endpoint.tier_vocabulary == "anthropic":
             if tier not in _ANTHROPIC_TIERS:
@@ -101,7 +100,7 @@ class PriorityClasses:
         by_tier = self.flow.service_tiers.get(str(tier))
         if by_tier is None:
             raise ApiError(400, f"service_tier {str(tier)[:64]!r} is not served here; use one of "
-                           f"{', '.join((_AUTO, *self.flow.service_tiers))}", param="service_tier",
+                           f"{', '.join((AUTO_TIER, *self.flow.service_tiers))}", param="service_tier",
                            code="unsupported_service_tier")
         return by_tier
 

@@ -35,7 +35,7 @@ import ray
 from ray import serve
 
 from shunter.config import DEFAULT_VERSION, ModelConfig, ObservabilityConfig
-from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body, served_tier
+from shunter.deployments.replica.stream_reader import StreamReader, chunk_tier, engine_stream_body
 from shunter.deployments.replica.telemetry import EngineMetrics, record_start, traced
 from shunter.deployments.token_channel import ReplicaChannel
 from shunter.endpoints import ENDPOINTS, Endpoint
@@ -204,7 +204,7 @@ class ModelServer:
         produced = self.engine.produced
         streams = body.get("stream") is True
         body, usage_chunk_wanted = engine_stream_body(body, endpoint.wire)
-        tier = served_tier(endpoint, body)
+        tier = chunk_tier(endpoint, body)
         tally = Tally() if produced is not None else None  # a stream's running usage too
         counting = request_tally.set(tally)  # so does the tally
         work = asyncio.ensure_future(endpoint.engine_call(self.engine, body))

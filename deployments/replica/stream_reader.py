@@ -29,7 +29,7 @@ _OBJECT_EVENT = 'data: {"'  # an event whose data is an object, up to its first 
 _NO_CHOICES = ('"choices":[]', '"choices": []')  # vLLM's compact JSON; another engine's spaced one
 
 
-def served_tier(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+def chunk_tier(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     """The `service_tier` the replica writes into each reply and chunk of OpenAI's chunk format (chat,
     completions): the one the gateway put in the body for the request's class. vLLM's models have the
     field on requests only; its Responses objects echo the request's, so nothing is written there."""

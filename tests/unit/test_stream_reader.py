@@ -300,14 +300,14 @@ def test_every_chunk_says_the_tier_served_and_nothing_else_changes(dumps):
 
 
 def test_a_reply_says_its_tier_only_on_openais_chunk_apis():
-    from shunter.deployments.replica.stream_reader import served_tier
+    from shunter.deployments.replica.stream_reader import chunk_tier
     from shunter.endpoints import EMBEDDING
 
-    assert served_tier(CHAT, {"service_tier": "priority"}) == "priority"
-    assert served_tier(COMPLETION, {"service_tier": "default"}) == "default"
+    assert chunk_tier(CHAT, {"service_tier": "priority"}) == "priority"
+    assert chunk_tier(COMPLETION, {"service_tier": "default"}) == "default"
     # Responses objects echo the request's tier (vLLM); Messages and embeddings have no OpenAI tier.
-    assert [served_tier(e, {"service_tier": "flex"}) for e in (RESPONSES, MESSAGES, EMBEDDING)] == [None] * 3
-    assert served_tier(CHAT, {}) is None and served_tier(CHAT, {"service_tier": 'x","y'}) is None
+    assert [chunk_tier(e, {"service_tier": "flex"}) for e in (RESPONSES, MESSAGES, EMBEDDING)] == [None] * 3
+    assert chunk_tier(CHAT, {}) is None and chunk_tier(CHAT, {"service_tier": 'x","y'}) is None
     plain = StreamReader(OPENAI_CHUNKS, None, usage_chunk_wanted=False)
     text = _chunk(json.dumps, "x")
     assert plain.chunk(text).text == text, "no tier: the bytes pass as they are"

@@ -19,7 +19,7 @@ from shunter.config.base import NAME_PATTERN, VERSION_PATTERN, StrictModel
 from shunter.config.cluster import ClusterConfig, NodeGroupConfig
 from shunter.config.engine import EngineConfig
 from shunter.config.explain import format_config_error
-from shunter.config.flow import FlowControlConfig, PriorityClassConfig
+from shunter.config.flow import AUTO_TIER, FlowControlConfig, PriorityClassConfig
 from shunter.config.gateway import GatewayConfig, LimitsConfig
 from shunter.config.model import DEFAULT_VERSION, ModelConfig
 from shunter.config.observability import LoggingConfig, ObservabilityConfig, TracingConfig
@@ -32,6 +32,7 @@ from shunter.config.tiers import TierConfig, TierMonitorConfig, TiersConfig
 from shunter.config.usage import PricingConfig, UsageConfig
 
 __all__ = [
+    "AUTO_TIER",
     "AdapterConfig",
     "AdmissionConfig",
     "ApiKeyConfig",
