@@ -144,8 +144,10 @@ def assemble(cfg: ShunterConfig, engine_factory: str | None = None) -> Applicati
                       plan["cpu_cores"], plan["accelerator"], engine_factory, version, observability)
             )
     # The usage ledger: one replica on the head node, where its SQLite file (usage.path) lives.
-    ledger = UsageLedger.options(**LEDGER_OPTIONS, logging_config=logs).bind(cfg.usage.path) \
-        if cfg.usage.enabled else None
+    ledger = None
+    if cfg.usage.enabled:
+        ledger = UsageLedger.options(**LEDGER_OPTIONS, logging_config=logs).bind(
+            cfg.usage.path, cfg.usage.retention_days, cfg.usage.max_size_mb)
     # Files and batches: one replica on the head node, where batch.state and batch.files live; it runs the batches.
     batch = BatchService.options(**BATCH_OPTIONS, logging_config=logs).bind(cfg.batch.model_dump(mode="json")) \
         if cfg.batch.enabled else None

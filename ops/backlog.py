@@ -1,5 +1,5 @@
 """The gateways' backlog, for the autoscaling policy: admitted requests waiting in a gateway's dispatch
-queue (`shunter.deployments.gateway.flow_queue.FlowQueue`) are work no replica holds yet, and Ray's handle-side
+queue (`shunter.deployments.gateway.flow.queue.FlowQueue`) are work no replica holds yet, and Ray's handle-side
 queue (which the policy also counts) no longer sees them, because the gateway keeps them out of Ray's
 router until a slot frees.
 

@@ -140,6 +140,15 @@ class AccessControl:
                            "open /admin", code="admin_key_required")
         return caller
 
+    def usage_of(self, headers: Mapping[str, str]) -> str | None:
+        """Whose usage the caller of the Usage API may read: a client key its own (its name, which the ledger
+        records), an admin key every key's (None), as anyone may without keys configured. 401 without a valid
+        key of either kind when keys are configured."""
+        if not self.ring.enabled:
+            return None
+        caller = self._identify(headers)
+        return None if caller.admin else caller.name
+
     def sees_details(self, headers: Mapping[str, str]) -> bool:
         """Whether a caller of an open endpoint (/ready) may see the platform's internals: an admin key,
         or anyone when no key is configured. Never refuses, never counts an auth failure."""

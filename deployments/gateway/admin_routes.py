@@ -1,5 +1,6 @@
 """The admin API: rollouts and live weights, tier routing's state, an operator's replica drains, and usage
-and cost per tenant from the usage ledger (LoRA adapters: `lora_routes`).
+and cost per tenant from the usage ledger (LoRA adapters: `lora_routes`; each key's own usage, OpenAI's
+Usage API: `usage_routes`).
 
 Every route needs an admin key when keys are configured (403 otherwise), and reads its body, when it
 has one, through the same JSON door as the OpenAI routes (a cross-site form can never reach it). Rollout
@@ -10,21 +11,19 @@ gateway; replica drains go through shunter.deployments.gateway.replica_admin.
 from __future__ import annotations
 
 import logging
-import math
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from shunter.config import ModelConfig, RolloutConfig, ShunterConfig, format_config_error
+from shunter.config import ModelConfig, RolloutConfig, format_config_error
 from shunter.deployments.gateway.admin_schema import DrainBody, RolloutStartBody, WeightsBody, parse_body
 from shunter.deployments.gateway.api_app import RETRY_AFTER_S, error_response
 from shunter.deployments.gateway.openapi import request_body
 from shunter.deployments.gateway.parts import GatewayParts, Parts
+from shunter.deployments.gateway.usage_params import parse_usage_query
 from shunter.errors import ApiError
-from shunter.usage_ledger import GROUP_COLUMNS
 
 log = logging.getLogger("ray.serve")
 
@@ -122,45 +121,6 @@ async def usage(request: Request, gw: Parts, key: str | None = None, model: str 
                               code="usage_ledger_unavailable", headers={"Retry-After": RETRY_AFTER_S})
     return JSONResponse({"object": "list", "data": rows, "since": query["since"], "until": query["until"],
                          "group_by": list(query["group_by"])})
-
-
-def parse_usage_query(key: str | None, model: str | None, since: str | None, until: str | None,
-                      group_by: str | None, config: ShunterConfig) -> dict[str, Any]:
-    """/admin/usage's query parameters, checked (400 in the API's error shape for a bad one): the model by
-    any of its names (a name no longer served is taken as it is: its records stay in the ledger)."""
-    found = config.find_model(model) if model is not None else None
-    start, end = _instant(since, "since"), _instant(until, "until")
-    if start is not None and end is not None and end < start:
-        raise ApiError(400, f"until ({end:g}) is before since ({start:g})", param="until", code="invalid_window")
-    groups = ["key", "model"] if group_by is None else [g.strip() for g in group_by.split(",") if g.strip()]
-    unknown = [g for g in groups if g not in GROUP_COLUMNS]
-    if unknown:
-        raise ApiError(400, f"group_by: {', '.join(map(repr, unknown))} not known; choose from "
-                       f"{', '.join(GROUP_COLUMNS)}", param="group_by", code="invalid_group_by")
-    return {"key": key, "model": found.name if found is not None else model, "since": start, "until": end,
-            "group_by": tuple(dict.fromkeys(groups))}
-
-
-def _instant(value: str | None, name: str) -> float | None:
-    """Unix seconds, or an ISO 8601 date or time (UTC when it names no zone)."""
-    if value is None or not value.strip():
-        return None
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            when = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
-        except ValueError:
-            raise ApiError(400, f"{name}: {value!r} is neither unix seconds nor an ISO 8601 time "
-                           "(2026-01-31T12:00:00Z)", param=name, code="invalid_time") from None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = when.timestamp()
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ApiError(400, f"{name}: {value!r} is not a time (unix seconds are finite and not negative)",
-                       param=name, code="invalid_time")
-    return seconds
 
 
 # ---- replicas (drain one: no new requests, then Ray Serve replaces it once idle) ---------------------------

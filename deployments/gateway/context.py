@@ -120,7 +120,7 @@ class RequestContext:
     adapter: AdapterRoute | None = None  # the LoRA adapter asked for, and its version under rollout
     tier: Decision | None = None  # `model: auto`: the tier chosen
     session: str | None = None  # the conversation (keeps its version)
-    priority_class: str = ""  # its flow-control class (shunter.deployments.gateway.priority); "" for our own
+    priority_class: str = ""  # its flow-control class (shunter.deployments.gateway.flow.priority); "" for our own
     price_multiplier: float = 1.0  # its class's, on the model's pricing (flow_control.classes[].price_multiplier)
     engine_body: dict[str, Any] = field(default_factory=dict)  # the body as the engine gets it
     limits: RequestLimits = field(default_factory=RequestLimits)

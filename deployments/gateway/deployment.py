@@ -3,8 +3,9 @@
 This module only wires one gateway replica together; each concern has its own module:
 - `api_app`: the FastAPI app and the one error shape for what no route answers; `openapi`: its document,
   from the models that validate;
-- `openai_routes`, `admin_routes`, `lora_routes`, `files_routes`, `batch_routes`: the routes, plain FastAPI
-  functions that check the caller and delegate (an API route names its endpoint's descriptor, `shunter.endpoints`);
+- `openai_routes`, `admin_routes`, `lora_routes`, `files_routes`, `batch_routes`, `usage_routes`: the routes, plain
+  FastAPI functions that check the caller and delegate (an API route names its endpoint's descriptor,
+  `shunter.endpoints`); `usage_params`: the usage endpoints' query parameters;
 - `batch_lines`: a batch's lines (run by the head node's BatchService) through the same door and pipeline;
 - `request_body`, `parsed_request`: reading and checking a body (size, time, JSON), then vLLM's model, once;
 - `context`: one request's typed context, from the door to its outcome;
@@ -16,7 +17,8 @@ This module only wires one gateway replica together; each concern has its own mo
 - `request_end`: the request's one `Outcome`, recorded once, and the hooks registered on it (the replica's
   release, breaker, rollout, admission, telemetry, quota);
 - `serving_state`: per model and version, the routing state, admission gate, flow queue and drain
-  tracker (`admission`, `flow_queue`, `draining`); `priority`: the class at the door; `access` and `quotas`:
+  tracker (`flow.admission`, `flow.queue`, `draining`); `flow`: flow control, one room (the class at the
+  door, the gate, the flow queue, the places kept for retries), called through `flow.door.FlowControl`; `access` and `quotas`:
   keys, limits and per-key budgets; `usage`: one usage record per settled request, batched to the usage
   ledger (shunter.deployments.ledger).
 """
@@ -42,6 +44,7 @@ from shunter.deployments.gateway import (
     lora_routes,
     openai_routes,
     parsed_request,
+    usage_routes,
 )
 from shunter.deployments.gateway.access import AccessControl
 from shunter.deployments.gateway.api_app import app
@@ -69,6 +72,7 @@ app.include_router(admin_routes.router)
 app.include_router(lora_routes.router)
 app.include_router(files_routes.router)
 app.include_router(batch_routes.router)
+app.include_router(usage_routes.router)
 app.add_middleware(SettleUnsettled)  # every request settles once, even one whose stream never started
 app.add_middleware(RateLimitHeaders)  # a known caller's x-ratelimit-* headers on every response
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -39,12 +38,13 @@ from shunter.deployments.gateway.context import (
     refused,
     served,
 )
+from shunter.deployments.gateway.flow.door import FlowControl, RefusedUnparsed
+from shunter.deployments.gateway.flow.priority import PRIORITY_HEADER
 from shunter.deployments.gateway.lora import Adapter, LiveAdapters
 from shunter.deployments.gateway.parsed_request import parse as parse_body
-from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
 from shunter.deployments.gateway.rate_headers import remember
 from shunter.deployments.gateway.relay import relay
-from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed, not_taken
+from shunter.deployments.gateway.replica_call import ReplicaCalls, VersionFailed
 from shunter.deployments.gateway.request_body import BodyReader, model_field, parse
 from shunter.deployments.gateway.request_end import STATE_KEY, Reply, RequestEnd, UsageWriter, standard_hooks
 from shunter.deployments.gateway.serving_state import ServingState, all_replicas_out
@@ -55,7 +55,6 @@ from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.deployments.token_channel import GatewayChannels
 from shunter.endpoints import Endpoint, ParsedRequest
 from shunter.errors import ApiError
-from shunter.ops import metrics as ops_metrics
 from shunter.replica_protocol import RequestLimits
 from shunter.routing.versions import choose_version
 
@@ -69,8 +68,8 @@ VERSION_HEADER = "x-shunter-version"  # which version of the model served it
 SESSION_HEADER = "x-shunter-session"  # requests with the same value (or the same `user`) stay on one version
 
 
-class RefusedUnparsed(Exception):
-    """The door refused a full model's request before parsing its body (`Forwarder._refuse_if_full`)."""
+class _FullBeforeParsing(Exception):
+    """A full model's refusal before the body was parsed, with the context its records need."""
 
     def __init__(self, ctx: RequestContext, refusal: ApiError):
         super().__init__(refusal.message)
@@ -86,14 +85,14 @@ class Forwarder:
         self.calls = ReplicaCalls(state, config.gateway.queue_timeout_s,
                                   GatewayChannels() if config.gateway.token_channel else None)
         self.hooks = standard_hooks(traffic, usage)  # what every request's outcome is told to
-        self.classes = PriorityClasses(config.flow_control)
+        self.flow = FlowControl(config, state)  # who waits, who goes first, who is turned away
 
     async def forward(self, request: Request, endpoint: Endpoint) -> Response:
         """One request of `endpoint`'s API, from the door to its reply; every refusal in the API's own
         error envelope."""
         try:
             ctx = await self._door(request, endpoint)
-        except RefusedUnparsed as full:  # a full model's: settled, counted and logged as any refusal
+        except _FullBeforeParsing as full:  # a full model's: settled, counted and logged as any refusal
             end = RequestEnd(full.ctx, RequestTelemetry(full.ctx, request.headers), self.hooks)
             end.tel.refused("queue_full")
             end.settle(refused(full.refusal.status))
@@ -115,7 +114,15 @@ class Forwarder:
         remember(request, self.access, caller)  # its rate-limit headers on whatever it is answered
         body = await self.body.read_json(request)
         name = model_field(body)
-        self._refuse_if_full(request, endpoint, caller, name, body)  # before the costly part of the door
+        try:  # before the costly part of the door
+            self.flow.refuse_if_full(request, endpoint, caller, name, body, _retry_key(request, caller))
+        except RefusedUnparsed as full:
+            # Its context holds the body as it came (never parsed): only the refusal's records read it.
+            model = self.config.find_model(name)
+            assert model is not None
+            raise _FullBeforeParsing(RequestContext(endpoint, ParsedRequest(endpoint, body), model, _request_id(),
+                                                    caller=caller, priority_class=full.priority_class),
+                                     full.refusal) from None
         # Validate once, on typed values: every decision below reads the parsed request.
         parsed = await parse(request, endpoint, body)
         return self.context(caller, parsed, name, request.headers, _session(request, parsed.body))
@@ -136,65 +143,19 @@ class Forwarder:
                                 base=model.name if adapter is not None else None)
         check_serving(model, parsed)
         self.access.check_limits(parsed)
-        priority_class = self.classes.for_batch(parsed) if batch else self.classes.resolve(caller, parsed, headers)
+        priority_class = self.flow.class_of(caller, parsed, headers, batch)
         route = self.adapters.route(adapter, session) if adapter is not None else None
         # The engine knows the canonical name only (an adapter's version under rollout, its own).
         engine_name = route.engine_name if route is not None else model.name
         # Tenants' prompt caches apart: nothing cached for one key shows to another.
         salt = cache_salt(caller, parsed.body.get("cache_salt"))
         # An engine that schedules by priority runs the more urgent classes first (0: the most urgent).
-        priority = self.config.flow_control.rank(priority_class) \
-            if model.engine.scheduling_policy == "priority" else None
+        priority = self.flow.engine_priority(model, priority_class)
         return RequestContext(endpoint, parsed, model, _request_id(), caller=caller, adapter=route, tier=tier,
                               session=session, priority_class=priority_class,
                               price_multiplier=self.config.flow_control.price_multiplier(priority_class),
                               engine_body=engine_body(parsed, engine_name, salt, priority,
                                                       self.config.flow_control.served_tier(priority_class)))
-
-    def _refuse_if_full(self, request: Request, endpoint: Endpoint, caller: Caller, name: str,
-                        body: dict[str, Any]) -> None:
-        """Refuse (429, RefusedUnparsed) a request whose model's gate would turn away even the lightest
-        request of the class it will have, before its body is parsed and its prompt rendered: in a burst
-        the refusals are the many, and each must reach its client at once, not after every admitted
-        request's parsing. The whole door decides the same way later for what is not plain here (an
-        adapter, `model: auto`, a class only the parsed request tells), and a key never learns anything of
-        a model it may not use. Refused here, a request has nothing to give back: its quota was never
-        reserved."""
-        model = self.config.find_model(name)
-        if model is None or not caller.may_use(model.name):
-            return
-        priority_class = self.classes.early(caller, endpoint, body, request.headers)
-        if priority_class is None:
-            return
-        gate, rank = self.state.gate(model), self.config.flow_control.rank(priority_class)
-        capacity, needed = self.state.capacity(model), self.state.dispatch(model).ahead_of(rank)
-        max_wait, retry_key = self._max_wait(model, priority_class), _retry_key(request, caller)
-        if not gate.refuses(capacity, max_wait, 1, rank, needed, retry_key):
-            return
-        retry_after = gate.try_admit(capacity, max_wait, 1, rank, needed, retry_key)
-        assert retry_after is not None  # nothing ran in between: the same verdict
-        # Its context holds the body as it came (never parsed): only the refusal's records read it.
-        ctx = RequestContext(endpoint, ParsedRequest(endpoint, body), model, _request_id(), caller=caller,
-                             priority_class=priority_class)
-        raise RefusedUnparsed(ctx, self._queue_full(model, priority_class, rank, retry_after))
-
-    def _max_wait(self, model: ModelConfig, priority_class: str) -> float:
-        """How long a request of the class may wait for a slot: its class's deadline. It is never admitted when
-        expected to wait longer (it would end in a 503 after that wait), nor past the model's own wait budget."""
-        limits = self.config.gateway.limits
-        deadline = self.config.flow_control.max_wait_s(priority_class, self.config.gateway.queue_timeout_s,
-                                                       limits.request_timeout_s)
-        return min(model.admission.max_wait_s or math.inf, deadline)
-
-    def _queue_full(self, model: ModelConfig, priority_class: str, rank: int, retry_after: int) -> ApiError:
-        """The 429 of a model whose gate refused a request (counted in `shunter_rejections_total`)."""
-        ops_metrics.rejection(model.name, "queue_full")
-        gate, capacity = self.state.gate(model), self.state.capacity(model)
-        wait = gate.expected_wait_s(capacity, rank, self.state.dispatch(model).ahead_of(rank))
-        about = f" (about {wait:.0f}s of waiting)" if wait else ""
-        return ApiError(429, f"model {model.name!r} is overloaded: {gate.queued(capacity, rank)} requests are "
-                        f"already waiting for a replica (priority class {priority_class!r} or more urgent)"
-                        f"{about}; retry in {retry_after}s", code="queue_full", headers={"Retry-After": str(retry_after)})
 
     async def serve(self, end: RequestEnd, retry_key: tuple[str, bytes] | None) -> Response:
         """The quota, then the model's admission and the replicas, within the request timeout."""
@@ -242,15 +203,17 @@ class Forwarder:
             parsed = parse_body(endpoint, body)
         except ApiError:
             return None
-        ctx = RequestContext(endpoint, parsed, model, uuid.uuid4().hex, engine_body=engine_body(parsed, model.name, None),
+        priority = self.flow.engine_priority(model, self.config.flow_control.default_class)
+        ctx = RequestContext(endpoint, parsed, model, uuid.uuid4().hex,
+                             engine_body=engine_body(parsed, model.name, None, priority),
                              limits=RequestLimits(max_tokens=self.config.gateway.limits.max_tokens,
                                                   max_prompt_tokens=self.config.gateway.limits.max_prompt_tokens))
         versions = self._versions_for(ctx)
-        gate, rank = self.state.gate(model), self.config.flow_control.rank(self.config.flow_control.default_class)
-        if not versions or gate.try_admit(self.state.capacity(model), rank=rank) is not None:
+        end = self.flow.admit_internal(
+            model, lambda: RequestEnd(ctx, RequestTelemetry(ctx, {}, label="tier_monitor"), self.hooks)) \
+            if versions else None
+        if end is None:
             return None
-        end = RequestEnd(ctx, RequestTelemetry(ctx, {}, label="tier_monitor"), self.hooks)
-        end.hold(gate, 1, rank)
         try:  # the same path as a client's whole reply: versions, failover, breakers, outcome records
             with end.settled_on_failure():
                 response = await self._admitted(end, versions)
@@ -259,46 +222,17 @@ class Forwarder:
         return json.loads(bytes(response.body)) if response.status_code == 200 else None
 
     async def _admit(self, end: RequestEnd, retry_key: tuple[str, bytes] | None) -> Response:
-        """The model's admission gate (429 past its bound), its flow queue (by class and fair share), then
-        the replicas. `retry_key`: who asks for what, so a refused request's retry finds its place."""
+        """The version the request goes to, flow control (the model's gate and flow queue), then the
+        replicas. `retry_key`: who asks for what, so a refused request's retry finds its place."""
         self.traffic.ensure_started()
-        ctx, tel = end.ctx, end.tel
-        model = ctx.model
+        ctx = end.ctx
         versions = self._versions_for(ctx)
         if not versions:
             # Every replica's breaker is open: say so at once rather than queue behind failing replicas.
             ctx.version = self._versions_for(ctx, skip_unavailable=False)[0]
-            raise all_replicas_out(model, self.state.routing(model, ctx.version))
+            raise all_replicas_out(ctx.model, self.state.routing(ctx.model, ctx.version))
         ctx.version = versions[0]
-        gate, queue = self.state.gate(model), self.state.dispatch(model)
-        capacity = self.state.capacity(model)
-        rank = self.config.flow_control.rank(ctx.priority_class)
-        deadline = self.config.flow_control.max_wait_s(ctx.priority_class, self.config.gateway.queue_timeout_s,
-                                                       self.config.gateway.limits.request_timeout_s)
-        max_wait = self._max_wait(model, ctx.priority_class)
-        # A batch (embedding inputs, completion prompts, choices) is that many engine requests' worth of work.
-        weight = gate.admitted_weight(capacity, ctx.parsed.engine_requests)
-        needed = queue.ahead_of(rank)
-        caller, ticket = ctx.caller, ctx.ticket
-        tenant = caller.name if caller is not None else ""
-        retry_after = gate.try_admit(capacity, max_wait, weight, rank, needed, retry_key)
-        if retry_after is not None:
-            tel.refused("queue_full")
-            raise self._queue_full(model, ctx.priority_class, rank, retry_after)
-        end.hold(gate, weight, rank)
-        tel.admitted()
-        wait = deadline
-        cold = model.autoscaling is not None and self.state.scaled_to_zero(model, self.state.routing(model, versions[0]))
-        if cold:
-            wait = max(wait, model.autoscaling.cold_start_timeout_s)  # type: ignore[union-attr]
-        share = caller.config.weight if caller is not None and caller.config is not None else 1.0
-        cost = max(1, ticket.tokens_at_most) if ticket is not None else 1
-        charge = await queue.enter(wait, rank, tenant, share, cost)
-        if charge is None:
-            tel.refused("cold_start_timeout" if cold else "queue_timeout")
-            raise not_taken(model, wait, cold, gate.retry_after_s(queue.ahead_of(rank), rank, retry_key, weight))
-        tel.turn()
-        end.dispatched(queue, charge)
+        await self.flow.admit(end, retry_key)
         return await self._admitted(end, versions)
 
     def _prompt_for_logs(self, body: dict[str, Any]) -> str | None:

@@ -159,6 +159,8 @@ class ReplicaCalls:
                 raise NoReplica() from RuntimeError(f"replica protocol: expected Accepted, got {accepted!r}")
             replica, timeout = accepted.replica_id, model.routing.replica_timeout_s
             tel.accepted(replica)
+            if accepted.load is not None:  # flow control counts in what the engine really runs
+                self.state.engine_reported(model, replica, accepted.load)
             if channels is not None:
                 channels.connect(accepted.channel)
             try:

@@ -39,10 +39,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.context import Ending, Outcome, RequestContext, client_gone, refused
 from shunter.deployments.gateway.draining import DrainTracker
-from shunter.deployments.gateway.flow_queue import FairCharge, FlowQueue
+from shunter.deployments.gateway.flow.admission import AdmissionGate
+from shunter.deployments.gateway.flow.queue import FairCharge, FlowQueue
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.deployments.gateway.usage import UsageWriter, record_usage
@@ -112,7 +112,7 @@ class RequestEnd:
     def __init__(self, ctx: RequestContext, tel: RequestTelemetry, hooks: EndHooks):
         self.ctx, self.tel, self.hooks = ctx, tel, hooks
         self.gate: AdmissionGate | None = None
-        self.gate_weight, self.gate_rank = 1, 0
+        self.gate_weight, self.gate_rank, self.gate_tenant = 1, 0, None
         self.turn: FlowQueue | None = None  # the flow queue whose turn the request holds
         self.charge: FairCharge | None = None  # what its tenant's fair share was charged for it there
         self.reply: Reply | None = None
@@ -121,10 +121,10 @@ class RequestEnd:
     def settled(self) -> bool:
         return self.ctx.outcome is not None
 
-    def hold(self, gate: AdmissionGate, weight: int = 1, rank: int = 0) -> None:
+    def hold(self, gate: AdmissionGate, weight: int = 1, rank: int = 0, tenant: str | None = None) -> None:
         """The request took `weight` admission slots of `gate` (a batch takes one per engine request), for
-        priority class `rank`."""
-        self.gate, self.gate_weight, self.gate_rank = gate, weight, rank
+        priority class `rank` and, where admitted by its tenant's fair part, `tenant`."""
+        self.gate, self.gate_weight, self.gate_rank, self.gate_tenant = gate, weight, rank, tenant
 
     def dispatched(self, queue: FlowQueue, charge: FairCharge | None = None) -> None:
         """The request had its turn in `queue` and goes to the replicas; `charge`: what it cost its tenant's
@@ -193,13 +193,15 @@ def record_breaker(end: RequestEnd, outcome: Outcome) -> None:
 
 
 def release_admission(end: RequestEnd, outcome: Outcome) -> None:
-    if end.turn is not None:
+    if end.charge is not None:
+        end.charge.leave()
+    elif end.turn is not None:
         end.turn.leave()
     if end.charge is not None:  # the tokens it really used, as the engine reported them (cut short: so far)
         usage = end.ctx.usage
         end.charge.refund(max(usage.prompt_tokens + usage.completion_tokens, sum(usage.in_engine)))
     if end.gate is not None:
-        end.gate.release(end.gate_weight, end.gate_rank)
+        end.gate.release(end.gate_weight, end.gate_rank, end.gate_tenant)
 
 
 def finish_telemetry(end: RequestEnd, outcome: Outcome) -> None:

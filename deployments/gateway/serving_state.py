@@ -5,23 +5,30 @@ drain tracker, and the capacity its share of the replicas gives."""
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from shunter.config import ModelConfig, ShunterConfig
-from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.draining import DrainTracker
-from shunter.deployments.gateway.flow_queue import FlowQueue
+from shunter.deployments.gateway.flow.admission import AdmissionGate
+from shunter.deployments.gateway.flow.queue import FlowQueue
 from shunter.deployments.gateway.telemetry import replicas_routable
 from shunter.deployments.gateway.traffic import LiveVersions
 from shunter.errors import ApiError
 from shunter.ops import metrics as ops_metrics
+from shunter.replica_protocol import EngineLoad
 from shunter.routing.state import DeploymentRouting, deployment_key, routing_state
+
+LOAD_FRESH_S = 10.0  # an engine's last reported load counts this long (a replica reports with every request)
 
 
 class ServingState:
-    def __init__(self, config: ShunterConfig, servers: dict[str, dict[str, Any]], traffic: LiveVersions):
+    def __init__(self, config: ShunterConfig, servers: dict[str, dict[str, Any]], traffic: LiveVersions,
+                 clock: Callable[[], float] = time.monotonic):
         """`servers`: model -> version -> the handle of that version's ModelServer deployment."""
-        self.config, self.servers, self.traffic = config, servers, traffic
+        self.config, self.servers, self.traffic, self.clock = config, servers, traffic, clock
+        self._loads: dict[str, dict[str, tuple[float, EngineLoad]]] = {}  # model -> replica -> (when, load)
         self._routing: dict[str, DeploymentRouting] = {}
         self._gates: dict[str, AdmissionGate] = {}
         self._queues: dict[str, FlowQueue] = {}
@@ -52,8 +59,11 @@ class ServingState:
         fair share between tenants."""
         queue = self._queues.get(model.name)
         if queue is None:
-            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), self.config.flow_control.classes,
-                                                         running=lambda: self.running_sequences(model))
+            flow = self.config.flow_control
+            queue = self._queues[model.name] = FlowQueue(lambda: self.capacity(model), flow.classes,
+                                                         running=lambda: self.running_sequences(model),
+                                                         hold_s=flow.headroom_hold_s,
+                                                         tenant_headroom=flow.tenant_headroom)
         return queue
 
     def backlog(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -78,8 +88,24 @@ class ServingState:
 
     def running_sequences(self, model: ModelConfig) -> int:
         """Sequences the engines of those replicas run at once (`engine.max_num_seqs` each; past it they
-        queue them): this gateway's share."""
-        return self._replicas(model) * model.engine.max_num_seqs // self.config.gateway.replicas
+        queue them): this gateway's share. Saturation from the engines (issue 52, item 6): an engine that
+        reported, within `LOAD_FRESH_S`, requests queued while it ran fewer than `max_num_seqs` is bound by
+        its KV cache, and counts what it ran then (at least one) instead of `max_num_seqs`, so a class's
+        headroom is kept in what the engine really runs: counted in `max_num_seqs`, a less urgent class
+        could fill every sequence a KV-bound engine runs, and an urgent arrival would queue inside it."""
+        most, replicas = model.engine.max_num_seqs, self._replicas(model)
+        now, short = self.clock(), 0
+        loads = self._loads.get(model.name, {})
+        for replica, (at, load) in list(loads.items()):
+            if now - at > LOAD_FRESH_S:
+                del loads[replica]  # stale, or a replica gone
+            elif load.waiting and load.running < most:
+                short += most - max(1, load.running)
+        return max(0, replicas * most - short) // self.config.gateway.replicas
+
+    def engine_reported(self, model: ModelConfig, replica: str, load: EngineLoad) -> None:
+        """What a replica's engine reported as it accepted a request (`Accepted.load`)."""
+        self._loads.setdefault(model.name, {})[replica] = (self.clock(), load)
 
     def _replicas(self, model: ModelConfig) -> int:
         replicas = 0

@@ -10,25 +10,39 @@ gateway's `UsageWriter`. `RequestEnd.settle` runs each hook once, so each settle
 The platform's own requests (the tier monitor's comparisons, `ctx.caller is None`) are recorded too, under
 key name "": they use engine time no tenant is billed for, and an operator should see what that costs.
 
-`UsageWriter` only appends on the request path (a bounded deque). A background task on the gateway's event
+Refusals are counted, not recorded one by one: a record that used nothing and did not succeed
+(`UsageRecord.refusal`: a 429, a 499 or 503 in the queue) adds one to the writer's counter of its minute and
+kind (key, model, adapter, class, endpoint, status), sent as one record whose `requests` is the count so far,
+under an id of the counter's own (`refused:<writer>:<minute>:<n>`); the ledger keeps its largest count, so a
+flood of 429s costs the ledger a row per minute and kind, and a resent batch still counts once. A counter is
+forgotten once its minute is over and its count reached the ledger. Its id has a serial of its own, not the
+kind alone: a counter forgotten early (the memory bound below) and started again must not lose its new,
+smaller count to the old row's larger one.
+
+`UsageWriter` only appends on the request path (a bounded deque, and the counters). A background task on the gateway's event
 loop, started by the first record, sends what accumulated every `usage.flush_interval_s`, in batches of at
 most `usage.max_batch_records`, to the ledger deployment (shunter.deployments.ledger). A batch that fails
 (the ledger restarting, unreachable, slow past the send timeout) is kept and sent again on the next tick,
 first; the ledger skips request ids it already holds, so a batch whose reply was lost is counted once.
-While the ledger is unreachable the buffer holds at most `usage.max_buffered_records` (plus the batch being
-sent); past that the oldest records are dropped and counted (`shunter_usage_records_dropped_total`). The
-gateway flushes before it stops (its Serve destructor, after its requests drained) and before it answers
-/admin/usage, so a caller sees its own settled requests at once; other gateways' records arrive within
-their flush interval.
+While the ledger is unreachable the buffer and the counters hold at most `usage.max_buffered_records` entries
+(plus the batch being sent); past that a counter whose count is all in the ledger is forgotten first, then the
+oldest record is dropped (or, with no record left, the oldest counter), and what is lost is counted
+(`shunter_usage_records_dropped_total`: requests, a counter's unsent part). The gateway flushes before it
+stops (its Serve destructor, after its requests drained) and before it answers /admin/usage or the Usage API
+(shunter.deployments.gateway.usage_routes), so a caller sees its own settled requests at once; other
+gateways' records arrive within their flush interval.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from shunter.config import UsageConfig
@@ -56,13 +70,35 @@ class EndedRequest(Protocol):
     reply: Any  # the replica's reply (None: no replica answered)
 
 
-class UsageWriter:
-    """A gateway's buffer of usage records and the task that sends them to the ledger; see the module
-    docstring. `ledger`: the UsageLedger deployment's handle (anything with `.record.remote(list[dict])` and
-    `.query.remote(...)` returning awaitables)."""
+@dataclass
+class _Counter:
+    """One minute's refusals of one kind: `record` stamped with the minute's start and the counter's id."""
 
-    def __init__(self, config: UsageConfig, ledger: Any, clock: Callable[[], float] = time.monotonic):
-        self.config, self.ledger, self._clock = config, ledger, clock
+    record: UsageRecord
+    count: int = 0
+    sent: int = 0  # the largest count the ledger has taken
+
+    def snapshot(self) -> UsageRecord:
+        return replace(self.record, requests=self.count)
+
+
+def _kind(r: UsageRecord) -> tuple[Any, ...]:
+    """A refusal counter's key: its minute and what it is a count of."""
+    return (int(r.at // 60) * 60, r.key_name, r.key_id, r.model, r.adapter, r.priority_class, r.endpoint, r.status)
+
+
+class UsageWriter:
+    """A gateway's buffer of usage records and refusal counters, and the task that sends them to the ledger;
+    see the module docstring. `ledger`: the UsageLedger deployment's handle (anything with
+    `.record.remote(list[dict])` and `.query.remote(...)` returning awaitables). `clock` times the warnings,
+    `wall` (unix seconds) tells when a counter's minute is over."""
+
+    def __init__(self, config: UsageConfig, ledger: Any, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self.config, self.ledger, self._clock, self._wall = config, ledger, clock, wall
+        self.writer_id = uuid.uuid4().hex[:12]  # per gateway process: its counters' ids are its own
+        self._serial: Iterator[int] = itertools.count()
+        self._counters: dict[tuple[Any, ...], _Counter] = {}  # oldest first
         self._buffer: deque[UsageRecord] = deque()
         self._sending: list[UsageRecord] = []  # the batch in flight, or the one that failed, sent first
         self._lock = asyncio.Lock()  # one sender at a time: the ticker or a flush
@@ -73,20 +109,47 @@ class UsageWriter:
 
     @property
     def pending(self) -> int:
-        """Records not yet in the ledger."""
-        return len(self._buffer) + len(self._sending)
+        """Records not yet in the ledger (a counter with an unsent count is one)."""
+        return len(self._buffer) + len(self._sending) + sum(1 for c in self._counters.values() if c.count > c.sent)
+
+    @property
+    def held(self) -> int:
+        """Entries in memory: buffered records and counters (what `usage.max_buffered_records` bounds)."""
+        return len(self._buffer) + len(self._counters)
 
     # ---- the request path ------------------------------------------------------------------------
 
     def add(self, record: UsageRecord) -> None:
-        """Buffer one record (the oldest dropped, and counted, past the bound) and make sure the sending task
-        runs. Never waits and never raises for the ledger."""
-        if len(self._buffer) >= self.config.max_buffered_records:
-            self._buffer.popleft()
-            self.dropped += 1
-            _record(lambda m: m["shunter_usage_records_dropped_total"].inc(1))
-        self._buffer.append(record)
+        """Buffer one record, or count one refusal (the oldest dropped, and counted, past the bound), and make
+        sure the sending task runs. Never waits and never raises for the ledger."""
+        if record.refusal:
+            kind = _kind(record)
+            counter = self._counters.get(kind)
+            if counter is None:
+                self._make_room()
+                counter = self._counters[kind] = _Counter(replace(
+                    record, at=float(kind[0]), request_id=f"refused:{self.writer_id}:{kind[0]}:{next(self._serial)}"))
+            counter.count += 1
+        else:
+            self._make_room()
+            self._buffer.append(record)
         self._start()
+
+    def _make_room(self) -> None:
+        if self.held < self.config.max_buffered_records:
+            return
+        oldest = next(iter(self._counters), None)
+        if oldest is not None and self._counters[oldest].count <= self._counters[oldest].sent:
+            del self._counters[oldest]  # all of it is in the ledger: forgetting it loses nothing
+            return
+        if self._buffer:
+            self._buffer.popleft()
+            lost = 1
+        else:
+            counter = self._counters.pop(oldest)  # type: ignore[arg-type] - held > 0 and no record: a counter
+            lost = counter.count - counter.sent
+        self.dropped += lost
+        _record(lambda m: m["shunter_usage_records_dropped_total"].inc(lost))
 
     def _start(self) -> None:
         if self._task is not None and not self._task.done():
@@ -110,18 +173,36 @@ class UsageWriter:
                 log.warning("usage writer: sending failed unexpectedly", exc_info=True)
 
     async def _send_all(self) -> bool:
-        """Send everything buffered, batch by batch; stop at the first failure (kept for the next try).
-        True when nothing is left."""
+        """Send everything buffered and every counter's new count, batch by batch; stop at the first failure
+        (kept for the next try). True when nothing is left."""
         async with self._lock:
-            while self._sending or self._buffer:
+            while True:
                 if not self._sending:
                     count = min(len(self._buffer), self.config.max_batch_records)
                     self._sending = [self._buffer.popleft() for _ in range(count)]
+                    room = self.config.max_batch_records - count
+                    if room:
+                        changed = (c.snapshot() for c in self._counters.values() if c.count > c.sent)
+                        self._sending.extend(itertools.islice(changed, room))
+                    if not self._sending:
+                        break
                 if not await self._send(self._sending):
                     return False
                 self.sent += len(self._sending)
+                self._counted(self._sending)
                 self._sending = []
+            minute = int(self._wall() // 60) * 60
+            for kind in [k for k, c in self._counters.items() if k[0] < minute and c.sent >= c.count]:
+                del self._counters[kind]  # its minute is over and all of it is in the ledger
             return True
+
+    def _counted(self, batch: list[UsageRecord]) -> None:
+        """The ledger took these: each counter among them has its count there now."""
+        for r in batch:
+            if r.refusal:
+                counter = self._counters.get(_kind(r))
+                if counter is not None and counter.record.request_id == r.request_id:  # not one started again
+                    counter.sent = max(counter.sent, r.requests)
 
     async def _send(self, batch: list[UsageRecord]) -> bool:
         try:
@@ -163,6 +244,16 @@ class UsageWriter:
         return await asyncio.wait_for(
             self.ledger.query.remote(key=key, model=model, since=since, until=until, group_by=list(group_by)),
             timeout_s)
+
+
+    async def buckets(self, since: float, until: float, width_s: int, group_by: Sequence[str], key: str | None,
+                      key_ids: Sequence[str] | None, models: Sequence[str] | None,
+                      timeout_s: float = SEND_TIMEOUT_S) -> list[dict[str, Any]]:
+        """The Usage API's sums per bucket (shunter.usage_ledger.LedgerStore.buckets)."""
+        return await asyncio.wait_for(
+            self.ledger.buckets.remote(since=since, until=until, width_s=width_s, group_by=list(group_by), key=key,
+                                       key_ids=None if key_ids is None else list(key_ids),
+                                       models=None if models is None else list(models)), timeout_s)
 
 
 def usage_record(end: EndedRequest, outcome: Outcome, now: Callable[[], float] = time.time) -> UsageRecord:

@@ -47,6 +47,7 @@ from shunter.kv_events import prompt_observer
 from shunter.ops.autoscaling import ENGINE_REQUESTS_METRIC
 from shunter.replica_protocol import (
     Accepted,
+    EngineLoad,
     Moved,
     ReplicaRequest,
     ReplyHead,
@@ -186,7 +187,10 @@ class ModelServer:
             yield item
 
     async def _serve(self, request: ReplicaRequest) -> AsyncIterator[Any]:
-        yield Accepted(self.replica_id, self._channel.address)
+        counters = self.engine.counters
+        load = EngineLoad(counters.running, counters.waiting, counters.kv_cache_usage) \
+            if counters is not None and counters.steps else None
+        yield Accepted(self.replica_id, self._channel.address, load)
         adapters, route = self.engine.adapters, request.adapter
         if route is not None and adapters is not None:
             adapters.register(route.engine_name, route.source)  # known already (the usual case): a lookup

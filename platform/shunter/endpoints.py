@@ -90,8 +90,9 @@ class Endpoint:
     judged: bool = False  # the tier monitor compares its answers across tiers
     # Rendered before a stream starts, so a prompt vLLM would refuse mid-stream is a 400 instead.
     renders_before_stream: bool = False
-    # Its request model has vLLM's per-request scheduling `priority`: the gateway sets it from the request's
-    # priority class for an engine with `scheduling_policy: priority`.
+    # The engine schedules it by vLLM's per-request `priority`: the gateway sets it from the request's
+    # priority class for an engine with `scheduling_policy: priority` (the Messages request model has no
+    # such field: the replica hands it to the chat request vLLM makes of it, shunter.vllm_compat).
     engine_priority: bool = False
     # Which `service_tier` values its requests take: OpenAI's (auto, default, flex, priority, scale, mapped
     # by flow_control.service_tiers), Anthropic's (auto, standard_only), or none.
@@ -206,7 +207,8 @@ RESPONSES = Endpoint(
 MESSAGES = Endpoint(
     "messages", "/v1/messages", "Anthropic's Messages API", "generate", "chat",
     "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest", _read_messages, lambda engine, body: engine.messages(body), "messages",
-    max_tokens_field="max_tokens", message_list=True, wire=ANTHROPIC_EVENTS, tier_vocabulary="anthropic")
+    max_tokens_field="max_tokens", message_list=True, wire=ANTHROPIC_EVENTS, engine_priority=True,
+    tier_vocabulary="anthropic")
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETION, EMBEDDING, RESPONSES, MESSAGES)}
 

@@ -427,6 +427,8 @@ class VLLMEngine:
                 handler = getattr(state, name, None)
                 if handler is not None:
                     vllm_compat.wrap_error_responses(handler, _noting_errors)
+            if getattr(state, "anthropic_serving_messages", None) is not None:  # its class's engine priority
+                vllm_compat.carry_messages_priority(state.anthropic_serving_messages)
         except BaseException:
             if view is not None:
                 view.stop()
@@ -495,7 +497,12 @@ class VLLMEngine:
 
         from shunter.wire_conformance import anthropic_message  # the null keys Anthropic's Message carries
 
-        reply = await self._call(AnthropicMessagesRequest, body, handler.create_messages, dump={"exclude_none": True})
+        # The gateway's scheduling priority for the request's class (the Anthropic request has no such field).
+        priority = body.get("priority")
+        body = {name: value for name, value in body.items() if name != "priority"}
+        with vllm_compat.messages_priority(priority if isinstance(priority, int) else None):
+            reply = await self._call(AnthropicMessagesRequest, body, handler.create_messages,
+                                     dump={"exclude_none": True})
         if reply.status == 200 and reply.body is not None:
             anthropic_message(reply.body)
         return reply

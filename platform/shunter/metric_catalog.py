@@ -39,7 +39,7 @@ class MetricSpec:
     kind: Kind
     labels: tuple[str, ...]
     description: str
-    source: str  # the process that records it: gateway, router, replica, autoscaler, controller, batch
+    source: str  # the process that records it: gateway, router, replica, autoscaler, controller, batch, ledger
     buckets: tuple[float, ...] = ()
 
     @property
@@ -108,7 +108,14 @@ CATALOG: tuple[MetricSpec, ...] = (
                "nothing).", "gateway"),
     MetricSpec("shunter_usage_records_dropped_total", "counter", (),
                "Usage records a gateway dropped, oldest first, past usage.max_buffered_records while the "
-               "ledger was unreachable.", "gateway"),
+               "ledger was unreachable (records and refusal counters; a counter adds the refusals it had not "
+               "sent).", "gateway"),
+    MetricSpec("shunter_usage_ledger_degraded", "gauge", (),
+               "1 while the usage ledger's file takes no writes (full disk, or usage.max_size_mb) and new usage is "
+               "held in the ledger's memory, summed per minute; 0 otherwise.", "ledger"),
+    MetricSpec("shunter_usage_ledger_held_records_total", "counter", (),
+               "Usage records the ledger held in memory because its file took no writes; written to the file once "
+               "it takes writes again.", "ledger"),
     # ---- batches (OpenAI's Batch API), from the head node's BatchService ------------------------------
     # `batch` is a batch's id (made by the platform, never a client's string); a batch's gauges are dropped
     # once it ends.

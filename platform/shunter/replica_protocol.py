@@ -88,10 +88,23 @@ class ReplicaRequest(RouteHint):
 @dataclass(frozen=True)
 class Accepted:
     """First item of every reply stream: this replica took the request. `channel`: the address of its
-    token channel, where the gateway listens for the chunks of streams that move there."""
+    token channel, where the gateway listens for the chunks of streams that move there. `load`: what its
+    engine's scheduler last reported (None: no report yet, or an engine that gives none)."""
 
     replica_id: str
     channel: str | None = None
+    load: EngineLoad | None = None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's scheduler as it last reported: the requests it runs and queues, and the share of its KV
+    cache in use. A gateway's flow control reads it (issue 52, item 6): an engine that queues requests while
+    it runs fewer than its `max_num_seqs` is bound by its KV cache, and runs at once only what it runs now."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 VLLM_CHECKED = "0.32.0"
@@ -119,6 +120,47 @@ def wrap_error_responses(handler: Any, wrap: Callable[[Any], Any]) -> bool:
         return False
     handler.create_error_response = wrap(handler.create_error_response)
     return True
+
+
+_messages_priority: ContextVar[int | None] = ContextVar("shunter_messages_priority", default=None)
+
+
+def carry_messages_priority(handler: Any) -> None:
+    """Make the Messages handler's chat completion request carry the scheduling priority set by
+    `messages_priority` around its `create_messages` call, on this handler object only.
+
+    Checked against vllm 0.32.0: `AnthropicServingMessages.create_messages` turns each request into a
+    `ChatCompletionRequest` with `self.to_chat_completion_request(request, ...)` (a classmethod, so an
+    instance attribute of the same name takes its place) and serves that; the chat request's `priority`
+    is vLLM's per-request scheduling priority. Why no public API serves: `AnthropicMessagesRequest` has no
+    `priority` field (Anthropic's API has none) and the conversion sets only what the Anthropic request
+    says. What breaks without it: every Messages request runs at the engine's default priority 0, the
+    most urgent, so a batch key's Messages work is scheduled ahead of interactive chats by an engine with
+    `scheduling_policy: priority` (issue 52, item 5)."""
+    convert = handler.to_chat_completion_request
+
+    def converted(*args: Any, **kwargs: Any) -> Any:
+        request = convert(*args, **kwargs)
+        priority = _messages_priority.get()
+        if priority is not None:
+            request.priority = priority
+        return request
+
+    handler.to_chat_completion_request = converted
+
+
+@contextmanager
+def messages_priority(priority: int | None) -> Iterator[None]:
+    """The scheduling priority of the Messages request served inside this block, for the handler
+    `carry_messages_priority` prepared. Checked against vllm 0.32.0 with it (the conversion runs in the
+    calling task, before `create_messages` returns its reply or stream). Why a context variable: the
+    handler is shared by every request of the replica, so the priority cannot live on it. What breaks
+    without it: as for `carry_messages_priority`."""
+    token = _messages_priority.set(priority)
+    try:
+        yield
+    finally:
+        _messages_priority.reset(token)
 
 
 def prompt_len(handler: Any, engine_input: Any) -> int:

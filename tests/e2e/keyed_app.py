@@ -35,6 +35,7 @@ ORG_ONE, ORG_TWO = new_key(), new_key()  # two keys of one cache group (tests/e2
 LEAVER = new_key()  # clients that leave before their reply (tests/e2e/test_api_keys_disconnect.py)
 JOBS = new_key()  # a batch-class key (tests/e2e/test_api_keys_agents.py: priority classes)
 FLOOD, LIGHT = new_key(), new_key()  # two tenants of one class (tests/e2e/test_api_keys_flow.py)
+URGENT = new_key()  # an interactive key (same module: engine priority on the Messages path)
 METERED = new_key()  # a key whose rate-limit headers are read (tests/e2e/test_api_keys_flow.py)
 LEDGER_A, LEDGER_B = new_key(), new_key()  # two tenants whose usage the ledger must equal (same module)
 ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNTER_TEST_KEY_BUDGET": BUDGET,
@@ -42,7 +43,7 @@ ENV = {"SHUNTER_TEST_KEY_FULL": FULL, "SHUNTER_TEST_KEY_CHAT": CHAT_ONLY, "SHUNT
        "SHUNTER_TEST_KEY_ORG_ONE": ORG_ONE, "SHUNTER_TEST_KEY_ORG_TWO": ORG_TWO, "SHUNTER_TEST_KEY_LEAVER": LEAVER,
        "SHUNTER_TEST_KEY_JOBS": JOBS, "SHUNTER_TEST_KEY_FLOOD": FLOOD, "SHUNTER_TEST_KEY_LIGHT": LIGHT,
        "SHUNTER_TEST_KEY_METERED": METERED, "SHUNTER_TEST_KEY_LEDGER_A": LEDGER_A,
-       "SHUNTER_TEST_KEY_LEDGER_B": LEDGER_B}
+       "SHUNTER_TEST_KEY_LEDGER_B": LEDGER_B, "SHUNTER_TEST_KEY_URGENT": URGENT}
 MAX_TOKENS, MAX_N, MAX_PROMPT_TOKENS = 8, 2, 200
 MAX_EMBEDDING_INPUTS = 64
 MAX_FILE_BYTES = 64 * 1024  # batch.max_file_bytes (tests/e2e/test_api_keys_files.py)
@@ -52,6 +53,10 @@ METERED_REQUESTS_PER_MINUTE = 60  # 30 per gateway, refilled at one every 2 s
 AGENTS_TOKENS_PER_MINUTE = 400  # 200 per gateway: a few small Responses and Messages requests each
 LEAVER_TOKENS_PER_MINUTE = 10_000_000  # a quota that settles every request and never refuses one
 GATEWAYS, GATEWAY_SLOTS, UPLOAD_SLOTS = 2, 96, 8  # slots: per gateway replica
+# The chat model's admission bound per gateway: its share of the replica's 64 slots plus its share of the
+# queue bound, 64 in all, below the gateway's own slots, so a flood that fills the bound is refused by the
+# model's gate, not queued before the gateways (tests/e2e/test_api_keys_flow.py: fair at the door).
+CHAT_QUEUE_PER_GATEWAY = 32
 TIMEOUT_S = 90  # no single request may take longer: past it, the app hung
 ENGINE_SEQS = 16  # each engine's max_num_seqs
 # The chat model's price per million tokens (uncached prompt, cached prompt, completion): the ledger's cost.
@@ -70,6 +75,10 @@ FLOW_CONTROL = {
                 {"name": "lane", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)},
                 {"name": "lane-low", "max_wait_s": 50, "capacity_share": LANE_SLOTS / (ENGINE_SEQS // GATEWAYS)}],
     "default_class": "standard",
+    # The lanes' checks count turns in a queue whose headroom holds the whole time: released after a quiet
+    # spell (issue 52, item 2; checked in tests/unit/test_flow_queue.py), a lane alone would fill every
+    # sequence, and the first test of a module would see another queue than the rest.
+    "headroom_hold_s": None,
 }
 
 
@@ -78,7 +87,8 @@ def args(admin_key_file: Path) -> dict[str, Any]:
     return {
         "models": [
             {"name": CHAT_MODEL, "aliases": ["smollm2"], "source": "builtin:smollm2-135m-instruct",
-             "engine": {**engine, "scheduling_policy": "priority"}, "pricing": PRICING},
+             "engine": {**engine, "scheduling_policy": "priority"}, "pricing": PRICING,
+             "admission": {"max_queued_requests": GATEWAYS * CHAT_QUEUE_PER_GATEWAY}},
             {"name": EMBED_MODEL, "source": "builtin:all-minilm-l6-v2", "task": "embed",
              "engine": {**engine, "max_model_len": 256}},
         ],
@@ -112,6 +122,7 @@ def args(admin_key_file: Path) -> dict[str, Any]:
                      {"name": "jobs", "key_env": "SHUNTER_TEST_KEY_JOBS", "priority_class": "batch"},
                      {"name": "flood", "key_env": "SHUNTER_TEST_KEY_FLOOD"},
                      {"name": "light", "key_env": "SHUNTER_TEST_KEY_LIGHT"},
+                     {"name": "urgent", "key_env": "SHUNTER_TEST_KEY_URGENT", "priority_class": "interactive"},
                      {"name": "metered", "key_env": "SHUNTER_TEST_KEY_METERED",
                       "requests_per_minute": METERED_REQUESTS_PER_MINUTE, "tokens_per_minute": 60_000},
                      {"name": "ledger-a", "key_env": "SHUNTER_TEST_KEY_LEDGER_A", "tokens_per_minute": 100_000},

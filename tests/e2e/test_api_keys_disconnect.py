@@ -201,9 +201,10 @@ def test_a_client_that_leaves_stops_its_work_and_is_charged_what_was_produced(ap
     # Each request settles once. A reply the engine finished in the instant its client left is a 200 written
     # to a closed connection: the server cannot know it went unread (CI's slower machine saw 1 and 2 of 24).
     # Such 200s are few: the engine dropped the rest (it held none within IDLE_WITHIN_S, above), as 499s.
-    # An input's embedding takes the engine milliseconds, so there half of those left may be such 200s.
+    # An input's embedding takes the engine milliseconds, less than a hang-up takes to reach it: there any
+    # of those left may be such a 200 (CI saw 12 of 20), and what must hold is that each settles once.
     unread = settled[1] - answered
-    most_unread = left // 2 if endpoint == "embedding" else len(bodies) // 4
+    most_unread = left if endpoint == "embedding" else len(bodies) // 4
     assert sum(settled) == len(bodies) and settled[1] >= answered and unread <= most_unread, \
         ("each request settled once: a 499 for each client that left, but for the few finished as it left",
          settled, left, answered)

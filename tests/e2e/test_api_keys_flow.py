@@ -15,11 +15,24 @@ import time
 import uuid
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
 
-from .keyed_app import APP, FLOOD, FULL, JOBS, LIGHT, METERED, METERED_REQUESTS_PER_MINUTE, TIMEOUT_S
+from .keyed_app import (
+    APP,
+    CHAT_QUEUE_PER_GATEWAY,
+    FLOOD,
+    FULL,
+    GATEWAYS,
+    JOBS,
+    LIGHT,
+    METERED,
+    METERED_REQUESTS_PER_MINUTE,
+    TIMEOUT_S,
+    URGENT,
+)
 from .live import CHAT_MODEL, gateways_that_served
 
 pytestmark = pytest.mark.own_app
@@ -41,7 +54,8 @@ async def _burst(app: str, waves: list[tuple[str, str, str, int]]) -> list[tuple
         assert resp.headers.get("x-shunter-priority") == cls, resp.text
         finished.append((name, resp.status_code, time.monotonic()))
 
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+    # A connection for every request: one waiting in the client's pool would arrive after its wave.
+    limits = httpx.Limits(max_connections=max(200, sum(count for *_, count in waves)), max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits) as client:
         tasks = []
         for n, (name, key, cls, count) in enumerate(waves):
@@ -78,6 +92,55 @@ def test_a_flooding_tenant_gets_no_more_than_its_share_while_another_of_its_clas
     assert _after_last(order, "light").count("flood") >= 8, order
 
 
+def test_a_same_class_flood_is_refused_at_the_door_while_a_light_tenant_of_its_class_is_served(keyed_app_url):
+    """Issue 52 item 1: the flood fills its class's admission bound (each gateway's share of the model's slots
+    plus its queue bound) and is refused past it; the light tenant of the same class, arriving after, is
+    within its part of that bound and is admitted, and served first by its place in the fair queue. With
+    one count per class, every light request would be a 429."""
+    flood = 2 * GATEWAYS * CHAT_QUEUE_PER_GATEWAY + 40  # past both gateways' bounds (capacity + queue each)
+    finished = asyncio.run(_burst(keyed_app_url, [("flood", FLOOD, "lane", flood), ("light", LIGHT, "lane", 6)]))
+    statuses = {name: sorted(s for n, s, _ in finished if n == name) for name in ("flood", "light")}
+    assert statuses["light"] == [200] * 6, statuses["light"]
+    assert set(statuses["flood"]) == {200, 429} and len(statuses["flood"]) == flood, statuses["flood"]
+    order = [name for name, status, _ in finished if status == 200]
+    assert _after_last(order, "light").count("flood") >= 8, "the light tenant's requests go before the flood's"
+
+
+async def _overtaken(app: str, probe_key: str) -> tuple[int, str]:
+    """Standard chats (two sequences each) fill the chat engine's 16 running sequences and its waiting queue;
+    a Messages request by `probe_key`, sent a second later, is served beside them. Returns how many of
+    the chats finished after it. None of them waits in the gateways: 48 requests are within both gateways'
+    turns (32 each) and admission bounds (64 engine requests each), so their order is the engine's."""
+    finished: list[str] = []
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits) as client:
+        async def chat(i: int) -> None:
+            resp = await client.post(f"{app}/v1/chat/completions", json={**_body(i), "n": 2},
+                                     headers={"Authorization": f"Bearer {FULL}"})
+            assert resp.status_code == 200, resp.text
+            finished.append("chat")
+
+        flood = [asyncio.ensure_future(chat(i)) for i in range(48)]
+        await asyncio.sleep(1.0)
+        claude = anthropic.AsyncAnthropic(base_url=app, api_key=probe_key, timeout=TIMEOUT_S, max_retries=0)
+        reply = await claude.messages.with_raw_response.create(
+            model=CHAT_MODEL, max_tokens=8, messages=[{"role": "user", "content": "Name a colour."}])
+        finished.append("probe")
+        await asyncio.gather(*flood)
+    return finished[finished.index("probe") + 1:].count("chat"), reply.headers["x-shunter-priority"]
+
+
+def test_an_interactive_messages_request_overtakes_standard_work_queued_in_the_engine(keyed_app_url):
+    """Issue 52 item 5, on the real engine (`scheduling_policy: priority`): the gateway gives a Messages
+    request its class's priority, and the replica hands it to the chat request vLLM makes of it (the
+    Anthropic request has no such field). A standard Messages request sent the same way is the control:
+    it waits behind the chats queued before it; an interactive one goes before them."""
+    control, control_class = asyncio.run(_overtaken(keyed_app_url, FULL))
+    urgent, urgent_class = asyncio.run(_overtaken(keyed_app_url, URGENT))
+    assert (control_class, urgent_class) == ("standard", "interactive")
+    assert urgent >= 16 and urgent >= control + 8, (urgent, control)
+
+
 def test_an_unknown_or_forbidden_class_is_refused_and_engine_priority_cannot_be_forged(keyed_app_url):
     headers = {"Authorization": f"Bearer {LIGHT}"}
     url = f"{keyed_app_url}/v1/chat/completions"
@@ -95,7 +158,6 @@ def test_auto_is_the_keys_own_class_and_every_reply_and_chunk_says_the_tier_serv
     `auto` was a 403 while it meant `standard`), and `service_tier` on a reply, on each streamed chunk and on
     a Responses object is the tier of the class served: `flex` for batch, `default` for standard. The
     Messages API takes Anthropic's `auto` and `standard_only`, and refuses OpenAI's values."""
-    import anthropic
 
     def client(key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{keyed_app_url}/v1", api_key=key, timeout=TIMEOUT_S, max_retries=0)

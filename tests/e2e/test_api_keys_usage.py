@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from shunter.auth import key_id
+
 from .keyed_app import ADMIN, BATCH_PRICE_MULTIPLIER, EMBED_MODEL, LEDGER_A, LEDGER_B, PRICING, TIMEOUT_S
 from .live import CHAT_MODEL
 
@@ -111,3 +113,41 @@ def test_usage_queries_are_checked_and_for_admins_only(keyed_app_url):
     assert client.status_code == 403, "a client key does not read the ledger"
     everything = _usage(keyed_app_url, group_by="", since="2026-01-01T00:00:00Z")
     assert everything.status_code == 200 and len(everything.json()["data"]) <= 1
+
+
+def test_openais_usage_api_answers_a_key_with_its_own_buckets_only_and_an_admin_with_every_keys(keyed_app_url):
+    """GET /v1/organization/usage/completions (issue 52, item 7) after the requests above (it runs after them:
+    pytest keeps a module's order): a client key reads its own usage, equal to what the ledger holds of it;
+    an admin key reads every key's."""
+    start = int(time.time()) - 3600
+    mine = _client(keyed_app_url, LEDGER_A)
+    mine.chat.completions.create(model=CHAT_MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi."}])
+
+    def usage_api(key: str, **params: Any) -> dict[str, Any]:
+        resp = httpx.get(f"{keyed_app_url}/v1/organization/usage/completions", headers={"Authorization": f"Bearer {key}"},
+                         params={"start_time": start, "bucket_width": "1h", **params}, timeout=TIMEOUT_S)
+        assert resp.status_code == 200, resp.text
+        page = resp.json()
+        assert page["object"] == "page" and all(b["object"] == "bucket" for b in page["data"]), page
+        return page
+
+    def results(page: dict[str, Any]) -> list[dict[str, Any]]:
+        return [r for bucket in page["data"] for r in bucket["results"]]
+
+    deadline = time.monotonic() + 30  # the other gateway's records arrive within its flush interval
+    while True:
+        held = {r["key"]: r for r in _rows_once_settled(keyed_app_url, 1, since=str(start), group_by="key")}
+        own = results(usage_api(LEDGER_A, group_by=["api_key_id", "model"]))
+        again = {r["key"]: r for r in _rows_once_settled(keyed_app_url, 1, since=str(start), group_by="key")}
+        if held == again or time.monotonic() > deadline:  # nothing arrived while the API was asked
+            break
+    assert {r["api_key_id"] for r in own} == {key_id(LEDGER_A)}, own
+    assert {r["model"] for r in own} <= {CHAT_MODEL, EMBED_MODEL}, own
+    assert sum(r["input_tokens"] for r in own) == held["ledger-a"]["prompt_tokens"], (own, held["ledger-a"])
+    assert sum(r["output_tokens"] for r in own) == held["ledger-a"]["completion_tokens"]
+    assert sum(r["num_model_requests"] for r in own) >= 1
+    everyone = {r["api_key_id"] for r in results(usage_api(ADMIN, group_by="api_key_id"))}
+    assert {key_id(LEDGER_A), key_id(LEDGER_B)} <= everyone, everyone
+    refused = httpx.get(f"{keyed_app_url}/v1/organization/usage/completions", timeout=TIMEOUT_S,
+                        params={"bucket_width": "1h"}, headers={"Authorization": f"Bearer {LEDGER_A}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "start_time", refused.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -78,8 +79,16 @@ def test_the_first_request_from_zero_goes_to_the_warm_standby_which_then_serves(
     # At zero: one replica, warm and standing by.
     (warm,) = _wait_for(app, lambda seen: len(seen) == 1 and all(seen.values()), "one standby replica")
     started = time.monotonic()
+    # A longer stream beside it, so that the load lasts past the replicas' metrics pushes: a 30-token answer
+    # can end between two of them on a loaded machine, and a load the policy never saw names nobody
+    # serving (a full run once waited 300 s for it).
+    load = threading.Thread(target=lambda: app.openai(timeout=120).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to one hundred."}], max_tokens=160,
+        temperature=0, extra_body={"ignore_eos": True}))
+    load.start()
     assert _ask(app) == warm, "the first request from zero is answered by the standby: no engine start"
     print(f"\nstandby: first answer from zero in {time.monotonic() - started:.2f}s")
+    load.join(timeout=120)
     # The policy names it serving, and Serve starts another standby behind it.
     seen = _wait_for(app, lambda seen: len(seen) == 2 and seen.get(warm) is False, "a new standby behind it")
     (new,) = [r for r, standing_by in seen.items() if standing_by]

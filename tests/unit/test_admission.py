@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from shunter.deployments.gateway.admission import (
+from shunter.deployments.gateway.flow.admission import (
     DEFAULT_RETRY_AFTER_S,
     MAX_RETRY_AFTER_S,
     AdmissionGate,
+    Asker,
 )
 from tests.unit.fake_clock import Clock
 
@@ -241,7 +242,7 @@ def test_a_wait_past_the_longest_retry_after_keeps_no_place():
 
 
 def test_the_places_kept_are_bounded():
-    from shunter.deployments.gateway.retry_places import RetryPlaces
+    from shunter.deployments.gateway.flow.retry_places import RetryPlaces
 
     places = RetryPlaces(Clock(), max_places=3, per_owner=2)
     assert [places.keep(("a", i), 0, 1, 5.0) for i in range(3)] == [True, True, False], "a's own bound"
@@ -282,3 +283,70 @@ def test_asking_whether_a_request_would_be_refused_changes_nothing_and_agrees_wi
     assert not gate.refuses(1, retry_key=("k", b"d")), "its retry, when due, is admitted on its place"
     assert gate.places.kept_through(0) == 1, "and asking did not take the place"
     assert gate.try_admit(1, retry_key=("k", b"d")) is None and gate.places.kept_through(0) == 0
+
+
+# ---- fair at the door (issue 52, item 1): each tenant's part of its class's bound ------------------------
+
+
+def _fill(gate: AdmissionGate, capacity: int, tenant: str, rank: int = 0, share: float = 1.0) -> int:
+    """Admit `tenant`'s requests until one is refused; how many got in."""
+    admitted = 0
+    while gate.try_admit(capacity, rank=rank, asker=Asker(tenant, share)) is None:
+        admitted += 1
+    return admitted
+
+
+def test_a_tenant_under_its_part_is_admitted_when_another_of_its_class_filled_the_bound():
+    gate = AdmissionGate(max_queued=6, clock=Clock())  # bound: 2 + 6
+    assert _fill(gate, 2, "flood") == 8, "alone in its class, a tenant has the whole bound"
+    light = Asker("light")
+    assert gate.refuses(2, asker=Asker("flood")) and not gate.refuses(2, asker=light)
+    assert [gate.try_admit(2, asker=light) for _ in range(4)] == [None] * 4, "its half of the bound of 8"
+    assert gate.try_admit(2, asker=light) is not None, "past its part, the full class refuses it too"
+    assert gate.try_admit(2, asker=Asker("flood")) is not None, "the flood stays refused"
+    assert gate.admitted == 12, "a full class takes at most its tenants' parts beyond the bound"
+    for _ in range(8):
+        gate.release(tenant="flood")
+    assert gate.try_admit(2, asker=Asker("flood")) is None, "the flood gets in again as its own work ends"
+
+
+def test_a_tenants_part_follows_its_weight():
+    gate = AdmissionGate(max_queued=10, clock=Clock())  # bound: 2 + 10
+    assert _fill(gate, 2, "flood") == 12
+    assert _fill(gate, 2, "heavy", share=3.0) == 9, "3/4 of the bound of 12"
+    assert _fill(gate, 2, "thin", share=0.2) == 1, "a tenant with nothing admitted always gets one in"
+
+
+def test_a_tenant_alone_in_its_class_is_held_to_the_count_which_a_more_urgent_class_may_fill():
+    gate = AdmissionGate(max_queued=2, clock=Clock())  # bound: 2 + 2
+    assert _fill(gate, 2, "urgent", rank=0) == 4
+    assert gate.try_admit(2, rank=1, asker=Asker("batch")) is not None, \
+        "the interactive class holds the whole bound: a standard tenant gets no part of it"
+
+
+def test_a_refused_flood_is_told_its_own_queue_over_its_own_drain_rate():
+    clock = Clock()
+    gate = AdmissionGate(max_queued=20, window_s=30, clock=clock)  # bound: 4 + 20
+    assert _fill(gate, 4, "flood") == 24
+    gate.try_admit(4, asker=Asker("light"))
+    for _ in range(10):  # the flood finishes one a second, as does the light tenant
+        clock.now += 1
+        gate.release(tenant="flood"), gate.release(tenant="light")
+        assert gate.try_admit(4, asker=Asker("flood")) is None and gate.try_admit(4, asker=Asker("light")) is None
+    # 14 of the flood's requests wait in its class's fair queue and it drains 10 in 9 s: 15 more to go
+    retry = gate.try_admit(4, slots_needed=22, asker=Asker("flood", own_waiting=14))
+    assert retry == math.ceil(15 / (10 / 9)), retry
+    assert gate.try_admit(4, slots_needed=22) == math.ceil(22 / (20 / 9)), "without an asker: the class's rate"
+
+
+def test_a_tenant_within_its_part_is_still_held_to_its_wait_budget_from_its_own_place_in_the_queue():
+    clock = Clock()
+    gate = AdmissionGate(max_queued=100, clock=clock)
+    assert [gate.try_admit(2, asker=Asker("flood")) for _ in range(40)] == [None] * 40
+    for _ in range(8):  # one finish a second
+        clock.now += 1
+        gate.release(tenant="flood")
+        gate.try_admit(2, asker=Asker("flood"))
+    light = Asker("light")
+    assert gate.try_admit(2, max_wait_s=5, slots_needed=1, asker=light) is None, "at the head: about 1 s"
+    assert gate.try_admit(2, max_wait_s=5, slots_needed=30, asker=light) is not None, "30 ahead: past 5 s"

@@ -211,7 +211,7 @@ def test_goodput_counts_targets_met_from_the_first_sending_through_a_retry():
 
 
 def _side(name, light_alone=0.3, light_under=0.5, lost=0, flood_alone=100.0, flood=95.0, shares=(0.52, 0.48),
-          goodput=1.0, honest=1.2):
+          goodput=1.0, honest=1.2, same_under=0.4, same_lost=0):
     def ttft(p99, refused=0):
         return {"sent": 10, "answered": 10 - refused, "refused": refused, "unanswered": 0, "ttft_p50_s": p99 / 2,
                 "ttft_p99_s": p99}
@@ -224,6 +224,8 @@ def _side(name, light_alone=0.3, light_under=0.5, lost=0, flood_alone=100.0, flo
                       "light_p99_ratio": light_under / light_alone, "flood_alone_tok_s": flood_alone,
                       "flood_tok_s": flood, "flood_ratio": flood / flood_alone},
             "shares": {"tenants": tenants, "output_tok_s": 90.0, "refused": {"tenant-a": 0, "tenant-b": 0}},
+            "same_class": {"light_alone": ttft(0.2), "light_under_flood": ttft(same_under, same_lost),
+                           "light_p99_ratio": same_under / 0.2, "flood": ttft(5.0, 4)},
             "goodput": {"goodput_per_s": goodput, "rate_per_s": 2.8, "classes": {"interactive": klass, "batch": klass},
                         "retry_after": {"retried": 3, "refused_again": 0, "retry_after_p50_s": 2.0,
                                         "actual_p50_s": 2.0, "ratio_p50": honest, "within_2x": 1.0}}}
@@ -239,7 +241,7 @@ def test_goal_lines_are_ratios_of_one_run_met_or_not():
     result = _result(_side("vllm-fcfs", light_under=100.0, shares=(0.75, 0.25), goodput=0.5),
                      _side("shunter-classes", goodput=1.0),
                      _side("shunter-classes-fcfs", light_under=0.7, lost=1, flood=80.0, shares=(0.6, 0.4),
-                           goodput=0.7, honest=3.0))
+                           goodput=0.7, honest=3.0, same_under=0.5, same_lost=2))
     lines = {(g["side"], g["goal"]): g for g in rep.goals(result)}
     assert {side for side, _ in lines} == {"shunter-classes", "shunter-classes-fcfs"}  # the peers have no goals
     ours = {goal: g for (side, goal), g in lines.items() if side == "shunter-classes"}
@@ -250,6 +252,8 @@ def test_goal_lines_are_ratios_of_one_run_met_or_not():
     assert fcfs == {"light TTFT p99: under the flood / alone": False,  # 0.7 / 0.3 > 2
                     "light requests refused or unanswered under the flood": False,
                     "flood output tok/s: under contention / alone": False,  # 0.8
+                    "same class: light requests refused or unanswered beside the flood": False,  # 2
+                    "same class: light TTFT p99 beside the flood / alone": False,  # 0.5 / 0.2
                     "same-class tenants: served share / weight share (furthest from 1)": False,  # 1.2
                     "goodput at 2x overload: / vllm-fcfs's": False,  # 1.4
                     "Retry-After / the wait a retried request saw (median)": False}  # 3
@@ -266,8 +270,15 @@ def test_report_has_one_table_per_workload_with_the_machine_beside_each():
     result = _result(_side("vllm-fcfs", goodput=0.5), _side("shunter-classes"))
     text = rep.report(result)
     tables = [block for block in text.split("\n\n") if block.startswith("| ")]
-    assert len(tables) == 5  # noisy neighbour, shares, goodput, Retry-After, goals
-    assert text.count("CPU: AMD EPYC, 2 cores; ISA: avx2 avx512f") == 5
+    assert len(tables) == 6  # noisy neighbour, shares, same class, goodput, Retry-After, goals
+    assert text.count("CPU: AMD EPYC, 2 cores; ISA: avx2 avx512f") == 6
+    assert "| shunter-classes | 0.10 / 0.20 | 0.20 / 0.40 | 2.00x | 0 / 0 (10) | 6 / 4 (10) |" in text
+    lines = {g["goal"]: g["met"] for g in rep.goals(_result(_side("shunter-classes", same_under=0.5, same_lost=1)))}
+    assert lines["same class: light requests refused or unanswered beside the flood"] is False
+    assert lines["same class: light TTFT p99 beside the flood / alone"] is False, "2.5x its idle p99"
+    assert "Not in this run" in rep.report(_result({k: v for k, v in _side("x").items() if k != "same_class"})
+                                           | {"workload": {k: v for k, v in vars(bc.Workload()).items()
+                                                           if not k.startswith("same_")}})
     assert "| shunter-classes | 0.15 / 0.30 | 0.25 / 0.50 | 1.67x |" in text
     assert "| shunter-classes | 10 / 10 | 5 / 5 | 1.00 | 2.00x |" in text
     section = rep.contention_section(result, 10)

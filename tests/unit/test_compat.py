@@ -340,6 +340,25 @@ def test_wrap_error_responses():
     assert not vllm_compat.wrap_error_responses(SimpleNamespace(), noting)
 
 
+def test_carry_messages_priority():
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    entry = "vllm_compat.carry_messages_priority"
+    _expect("self.to_chat_completion_request(" in _source(AnthropicServingMessages.create_messages), entry, VLLM,
+            "create_messages no longer converts its request through self.to_chat_completion_request")
+    _expect("priority" in ChatCompletionRequest.model_fields, entry, VLLM, "ChatCompletionRequest has no priority")
+    handler = object.__new__(AnthropicServingMessages)
+    vllm_compat.carry_messages_priority(handler)
+    request = AnthropicMessagesRequest(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    with vllm_compat.messages_priority(2):
+        _expect(handler.to_chat_completion_request(request).priority == 2, entry, VLLM,
+                "the converted chat request does not keep the priority set on it")
+    assert handler.to_chat_completion_request(request).priority == 0, "outside the call: vLLM's default"
+    assert AnthropicServingMessages.to_chat_completion_request(request).priority == 0, "other handlers untouched"
+
+
 def test_engine_core_processes():
     import vllm.v1.engine.utils as engine_utils
     import vllm.v1.utils as v1_utils

@@ -1,6 +1,6 @@
 """The flow queue: when an admitted request goes to the replicas. Strict priority between classes (with
 headroom and anti-starvation), weighted fair shares between tenants inside a class, deadlines and hang-ups
-that give the place up (shunter.deployments.gateway.flow_queue)."""
+that give the place up (shunter.deployments.gateway.flow.queue)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 
 from shunter.config import PriorityClassConfig
-from shunter.deployments.gateway.flow_queue import FlowQueue
+from shunter.deployments.gateway.flow.queue import FlowQueue
 
 
 def shares(**values: float) -> PriorityClassConfig:
@@ -71,11 +71,13 @@ def test_a_request_that_waits_too_long_or_whose_client_leaves_holds_nothing():
         gone = asyncio.create_task(queue.enter(timeout_s=5))
         later = asyncio.create_task(queue.enter(timeout_s=5))
         await until(lambda: queue.depth == 2)
+        assert queue.waiting_of(0, "") == 2
         gone.cancel()
         await until(gone.done)
+        assert queue.waiting_of(0, "") == 1, "a request given up no longer counts as its tenant's"
         queue.leave()
         assert await later, "the next live waiter gets the slot the cancelled one gave up"
-        assert queue.dispatched == 1 and queue.depth == 0
+        assert queue.dispatched == 1 and queue.depth == 0 and queue.waiting_of(0, "") == 0
 
     _run(run())
 
@@ -258,6 +260,118 @@ def test_headroom_is_counted_in_the_sequences_the_engine_runs_when_fewer_than_th
     assert unlimited._limit(1) == 48 and unlimited._limit(0) == 64, "more sequences than slots: the slots count"
 
 
+def test_no_class_sends_more_than_the_engines_run_so_a_light_tenant_goes_at_the_next_free_sequence():
+    """Issue 52: 64 slots, engines that run 32 sequences. A flood of the most urgent class (the whole
+    capacity) takes the 32 and waits here for the rest, not inside the engine, first come first served;
+    so a light tenant of its class arriving after 40 of the flood's waiting requests has the very next
+    sequence that frees."""
+    classes = [PriorityClassConfig(name="standard")]
+
+    async def run() -> None:
+        queue = FlowQueue(lambda: 64, classes, running=lambda: 32)
+        flood = [asyncio.ensure_future(queue.enter(60, 0, "flood", 1.0, 100)) for _ in range(72)]
+        await until(lambda: queue.dispatched == 32 and queue.depth == 40)
+        light = asyncio.ensure_future(queue.enter(60, 0, "light", 1.0, 100))
+        await asyncio.sleep(0)
+        assert not light.done() and queue.dispatched == 32, "no 33rd sequence, whoever asks"
+        queue.leave()
+        assert await asyncio.wait_for(light, 1), "the next sequence that frees is the light tenant's"
+        for f in flood:
+            f.cancel()
+
+    _run(run())
+
+
+def test_a_tenant_leaves_its_class_a_sequence_free_while_another_tenant_of_the_class_is_present():
+    """Issue 52: a flood's sequences of one length end together, so a light tenant of its class would wait for
+    the whole wave. Alone, the flood fills the 32 sequences; once the light tenant came (within hold_s), the
+    flood fills at most 30 of them (1/16 kept, at least one) and the light tenant's next request starts at
+    once; 30 s after its last arrival, the flood may fill all 32 again."""
+    from tests.unit.fake_clock import Clock
+
+    async def run() -> None:
+        clock = Clock(100.0)
+        queue = FlowQueue(lambda: 64, [shares()], running=lambda: 32, hold_s=30, clock=clock,
+                          tenant_headroom=1 / 16)
+        flood = [await queue.enter(5, 0, "flood") for _ in range(32)]
+        assert all(flood) and queue.dispatched == 32, "alone in its class, the flood fills every sequence"
+        more = [asyncio.ensure_future(queue.enter(60, 0, "flood")) for _ in range(10)]
+        light = asyncio.ensure_future(queue.enter(5, 0, "light"))
+        await asyncio.sleep(0)
+        assert not light.done(), "every sequence runs: the first light request waits for one to end"
+        flood.pop().leave()
+        light_turn = await asyncio.wait_for(light, 1)
+        assert light_turn is not None, "and has the first that does (its fair-queue tag is the smallest)"
+        light_turn.leave()
+        assert queue.dispatched == 31 and not any(m.done() for m in more), "the sequence it freed stays free"
+        flood.pop().leave()
+        await asyncio.sleep(0)
+        assert queue.dispatched == 30 and not any(m.done() for m in more), "the flood holds 30 at most now"
+        again = await asyncio.wait_for(queue.enter(5, 0, "light"), 1)
+        assert again is not None and queue.dispatched == 31, "so the light tenant's next request starts at once"
+        again.leave()
+        clock.now += 31  # the light tenant quiet for longer than hold_s
+        flood.pop().leave()
+        await until(lambda: sum(m.done() for m in more) == 3)
+        assert queue.dispatched == 32, "and the flood may fill every sequence again"
+        for m in more:
+            m.cancel()
+
+    _run(run())
+
+
+def test_a_tenant_held_back_by_the_headroom_does_not_hold_back_another_tenant_behind_it():
+    """Two heavy tenants of a class: the one whose next request is first in tag order may take no more (it holds
+    all but the kept sequences); the other's request, behind it, goes."""
+
+    async def run() -> None:
+        queue = FlowQueue(lambda: 8, [shares()], tenant_headroom=0.25)
+        a = [await queue.enter(5, 0, "a", 1.0, 1) for _ in range(6)]
+        assert await queue.enter(5, 0, "b", 1.0, 1000) and queue.dispatched == 7
+        a_next = asyncio.ensure_future(queue.enter(5, 0, "a", 1.0, 1))
+        b_next = asyncio.ensure_future(queue.enter(5, 0, "b", 1.0, 1000))  # a later tag than a's next
+        await asyncio.sleep(0)
+        assert all(a) and queue.depth_of(0) == 1
+        assert b_next.done() and b_next.result() is not None, "b's request goes past a's, which may not"
+        assert not a_next.done()
+        a_next.cancel()
+
+    _run(run())
+
+
+async def _waits_for_a_free_sequence(queue: FlowQueue, pending: asyncio.Future, freed, why: str):
+    """`pending` (an entering request) waits while the sequences it needs are taken; once `freed` is let go,
+    it has its turn. Returns its charge."""
+    await asyncio.sleep(0)
+    assert not pending.done(), why
+    freed.leave()
+    charge = await asyncio.wait_for(pending, 1)
+    assert charge is not None
+    return charge
+
+
+def test_a_request_holds_the_sequences_it_makes_and_one_larger_than_the_limit_goes_alone():
+    """`n` choices or a batch's inputs are that many engine sequences: 8 running, a request of 5 and one of 4
+    do not fit together; one of 20 waits until nothing else runs, then goes, and holds all 20 until it ends."""
+
+    async def run() -> None:
+        queue = FlowQueue(lambda: 64, running=lambda: 8)
+        five = await queue.enter(5, slots=5)
+        assert five is not None and queue.dispatched == 5
+        four = asyncio.ensure_future(queue.enter(5, slots=4))
+        four_charge = await _waits_for_a_free_sequence(queue, four, five, "5 + 4 is more than the 8 the engine runs")
+        assert queue.dispatched == 4
+        big = asyncio.ensure_future(queue.enter(5, slots=20))
+        big_charge = await _waits_for_a_free_sequence(queue, big, four_charge, "larger than the limit: only alone")
+        assert queue.dispatched == 20
+        one = asyncio.ensure_future(queue.enter(0.05))
+        assert await one is None, "the big one holds every sequence until it ends"
+        big_charge.leave()
+        assert queue.dispatched == 0
+
+    _run(run())
+
+
 def _closed_loops(refund: bool) -> list[str]:
     """Two tenants of one class, three requests each always waiting or running on one slot: `heavy` is
     charged 2,000 tokens a request (it sends no max_tokens), `light` 20, and each really uses 20. Returns who
@@ -307,3 +421,51 @@ def test_a_request_that_leaves_unserved_gives_its_whole_charge_back():
 
     before, after_timeout = _run(run())
     assert after_timeout == before, "the timed-out request's 500 tokens are not held against its tenant"
+
+
+def test_a_tenants_place_in_its_class_counts_only_the_requests_its_next_tag_would_not_go_before():
+    async def run() -> None:
+        queue = FlowQueue(lambda: 1, [shares(), shares()])
+        await _hold(queue, 1)
+        order: list[str] = []
+        waiting = await _queue_up(queue, [("flood", {"rank": 1, "tenant": "flood", "cost": 10})] * 6
+                                  + [("urgent", {"rank": 0, "tenant": "u"})], order)
+        assert queue.waiting_of(1, "flood") == 6 and queue.waiting_of(1, "light") == 0
+        # The one slot is taken (+1): everyone waiting in its class and above, then that slot
+        assert queue.ahead_of(1) == 8
+        assert queue.ahead_of(1, "light") == 3, "a fresh tenant goes after the urgent one and the flood's head"
+        assert queue.ahead_of(1, "flood") == 8, "the flood's next request goes after its own six"
+        await _drain(queue, waiting)
+
+    _run(run())
+
+
+def test_a_class_alone_fills_every_running_sequence_and_gives_its_headroom_back_when_urgent_work_comes():
+    """Issue 52 item 2: batch's share holds only while more urgent work is there or arrived within hold_s."""
+    from tests.unit.fake_clock import Clock
+
+    async def run() -> None:
+        clock = Clock(100.0)
+        queue = FlowQueue(lambda: 16, [shares(), shares(capacity_share=0.5)], running=lambda: 8, hold_s=30,
+                          clock=clock)
+        batch = [await asyncio.wait_for(queue.enter(timeout_s=5, rank=1), 1) for _ in range(8)]
+        assert all(batch) and queue.dispatched == 8, "alone, batch takes all 8 running sequences"
+        assert not await queue.enter(timeout_s=0.05, rank=1), "but never more: a 9th would queue in the engine"
+        urgent = asyncio.ensure_future(queue.enter(timeout_s=5, rank=0))
+        await asyncio.sleep(0)
+        assert not urgent.done(), "an urgent arrival waits for a running sequence to end, here, not in the engine"
+        queue.leave(1)
+        assert await asyncio.wait_for(urgent, 1), "and has the first that does"
+        queue.leave(0)
+        for _ in range(4):
+            queue.leave(1)
+        assert queue.dispatched == 3
+        assert await asyncio.wait_for(queue.enter(timeout_s=5, rank=1), 1), "3 of batch's 4 held: one more"
+        assert not await queue.enter(timeout_s=0.05, rank=1), "urgent work arrived 0 s ago: back to half"
+        clock.now += 31
+        assert await asyncio.wait_for(queue.enter(timeout_s=5, rank=1), 1), "30 s quiet: the whole engine again"
+        held = FlowQueue(lambda: 16, [shares(), shares(capacity_share=0.5)], running=lambda: 8, clock=clock)
+        assert [await held.enter(timeout_s=0.05, rank=1) is not None for _ in range(5)] == [True] * 4 + [False], \
+            "hold_s None: the share always holds"
+
+    _run(run())

@@ -18,15 +18,15 @@ from starlette.requests import Request
 from shunter.config import parse_config
 from shunter.deployments.gateway.access import AccessControl, Ticket
 from shunter.deployments.gateway.context import Ending
+from shunter.deployments.gateway.flow.priority import PRIORITY_HEADER
 from shunter.deployments.gateway.forward import Forwarder
 from shunter.deployments.gateway.lora import LiveAdapters
-from shunter.deployments.gateway.priority import PRIORITY_HEADER
 from shunter.deployments.gateway.request_body import BodyReader
 from shunter.deployments.gateway.request_end import RequestEnd
 from shunter.deployments.gateway.serving_state import ServingState
 from shunter.deployments.replica.stream_reader import StreamReader, engine_stream_body
 from shunter.endpoints import CHAT, ENDPOINTS, MESSAGES, Endpoint
-from shunter.replica_protocol import Accepted, ReplyHead, StreamChunk, StreamEnd, Working
+from shunter.replica_protocol import Accepted, EngineLoad, ReplyHead, StreamChunk, StreamEnd, Working
 from shunter.wire_formats import WireFormat
 
 
@@ -120,8 +120,9 @@ class Replica:
 
     deployment_name, app_name = "model-m", "forward-test"
 
-    def __init__(self) -> None:
+    def __init__(self, load: EngineLoad | None = None) -> None:
         self.routing: Any = None
+        self.load = load  # what its engine reports with each Accepted
 
     def options(self, **_: Any) -> Replica:
         return self
@@ -135,7 +136,7 @@ class Replica:
         head = ReplyHead(200, None, True) if request.body.get("stream") is True else \
             ReplyHead(200, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
         rest = EngineStream.of(request).all([TOKEN, USAGE, DONE]) if head.stream else []
-        return ReplicaStream([Accepted("replica-1"), head, *rest])
+        return ReplicaStream([Accepted("replica-1", None, self.load), head, *rest])
 
 
 class Traffic:
@@ -363,6 +364,12 @@ def test_the_engine_gets_the_priority_of_the_requests_class_when_it_schedules_by
     refused = asyncio.run(forwarder.forward(_request(_body(priority=-5)), CHAT))
     assert refused.status_code == 400 and json.loads(bytes(refused.body))["error"]["code"] == "priority_not_allowed"
     assert len(replica.bodies) == 2, "a client's own engine priority never reaches an engine"
+    # Messages (the replica hands it to the chat request vLLM makes of it) and the platform's own requests.
+    messages = asyncio.run(forwarder.forward(_request(_messages_body(priority=-5), "/v1/messages",
+                                                      headers={"x-shunter-priority": "batch"}), MESSAGES))
+    assert messages.status_code == 200, bytes(messages.body)
+    asyncio.run(forwarder.ask_internal("m", CHAT, _body()))
+    assert [body.get("priority") for body in replica.bodies[2:]] == ([2, 1] if policy == "priority" else [None, None])
 
 
 def test_a_refused_requests_retry_finds_the_place_its_refusal_kept_and_a_newcomer_does_not_take_it():
@@ -443,7 +450,15 @@ def test_a_full_models_request_is_refused_before_its_body_is_parsed_and_settled_
         assert full.status_code == 429 and full.headers["Retry-After"]
         assert full.headers[PRIORITY_HEADER] == "standard"
         assert json.loads(full.body)["error"]["code"] == "queue_full"
+        assert " kept for refused requests' retries" not in json.loads(full.body)["error"]["message"]
         assert parsed == ["None"], "refused before its body was parsed"
+        # A place kept for a refused request's retry (here: another caller's, due in 30 s) counts against the
+        # bound: the next refusal says so, beside the requests waiting.
+        assert forwarder.state.gate(config.models[0]).places.keep(("another caller", "its body"), 0, 1, 30)
+        other = await forwarder.forward(_request({**_body(), "max_tokens": 3}), CHAT)
+        message = json.loads(other.body)["error"]["message"]
+        assert other.status_code == 429 and "0 requests are already waiting" in message, message
+        assert "1 place is kept for refused requests' retries" in message, message
         assert outcomes[-1] is Ending.REFUSED, "settled as a refusal"
         assert settled == [], "no quota was reserved, so none is given back"
         # A `service_tier` only the parsed request can read: the whole door refuses it, after parsing.
@@ -454,3 +469,29 @@ def test_a_full_models_request_is_refused_before_its_body_is_parsed_and_settled_
             await running
 
     asyncio.run(run())
+
+
+def test_a_kv_bound_engine_counts_what_it_runs_for_the_headroom_until_its_report_ages(monkeypatch):
+    """Issue 52 item 6: an engine that queues requests while it runs fewer than max_num_seqs is bound by its
+    KV cache; flow control counts the sequences it really runs, from what the replica reports as it accepts
+    each request, and the configured ones again once the report is older than LOAD_FRESH_S."""
+    from shunter.deployments.gateway import serving_state
+
+    config = parse_config({"models": [{"name": "m", "source": "builtin:smollm2-135m-instruct",
+                                       "engine": {"max_num_seqs": 8}}]})
+    model = config.models[0]
+    replica = Replica(EngineLoad(running=3, waiting=5, kv_cache_usage=0.98))
+    forwarder, _, _ = build_pipeline(config, {"m": replica})
+    state = forwarder.state
+    now = [1000.0]
+    state.clock = lambda: now[0]
+    assert state.running_sequences(model) == 8, "no report yet: what the config says"
+    assert asyncio.run(forwarder.forward(_request(_body()), CHAT)).status_code == 200
+    assert state.running_sequences(model) == 3, "queueing with 3 of 8 running: 3 run at once"
+    queue = state.dispatch(model)
+    assert queue._limit(2) == 1 and queue._limit(0) == 3, "batch's half of 3, the most urgent class all 3"
+    now[0] += serving_state.LOAD_FRESH_S + 1
+    assert state.running_sequences(model) == 8, "an old report counts no longer"
+    replica.load = EngineLoad(running=8, waiting=20, kv_cache_usage=0.5)  # full batch, queue: not KV-bound
+    assert asyncio.run(forwarder.forward(_request(_body()), CHAT)).status_code == 200
+    assert state.running_sequences(model) == 8

@@ -9,8 +9,8 @@ import pytest
 
 from shunter.auth import ANONYMOUS, Caller
 from shunter.config import ConfigError, parse_config
+from shunter.deployments.gateway.flow.priority import PRIORITY_HEADER, PriorityClasses
 from shunter.deployments.gateway.parsed_request import parse
-from shunter.deployments.gateway.priority import PRIORITY_HEADER, PriorityClasses
 from shunter.endpoints import CHAT, MESSAGES, RESPONSES
 from shunter.engine import EngineSpec
 from shunter.errors import ApiError

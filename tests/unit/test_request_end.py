@@ -34,7 +34,6 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request as HttpRequest
 
 from shunter.config import LimitsConfig, parse_config
-from shunter.deployments.gateway.admission import AdmissionGate
 from shunter.deployments.gateway.context import (
     CLIENT_GONE,
     STREAM_ERROR,
@@ -46,7 +45,8 @@ from shunter.deployments.gateway.context import (
     served,
 )
 from shunter.deployments.gateway.draining import DrainTracker
-from shunter.deployments.gateway.flow_queue import FlowQueue
+from shunter.deployments.gateway.flow.admission import AdmissionGate
+from shunter.deployments.gateway.flow.queue import FlowQueue
 from shunter.deployments.gateway.parsed_request import warm_up
 from shunter.deployments.gateway.relay import relay
 from shunter.deployments.gateway.replica_call import Started

@@ -1,6 +1,7 @@
 """Usage per tenant from the gateway (shunter.deployments.gateway.usage, /admin/usage) and its config: the
 writer batches off the request path, keeps a failed batch and sends it again (counted once by the ledger),
-drops the oldest past its bound and counts them, and hands everything over when it closes; the hook writes
+counts refusals per minute and kind instead of sending a row each, drops the oldest past its bound and counts
+them, and hands everything over when it closes; the hook writes
 one record per settled request of exactly what the key was charged; /admin/usage refuses bad parameters in
 the API's error shape and answers 503 without a ledger."""
 
@@ -19,9 +20,8 @@ from fastapi.responses import JSONResponse
 from shunter.config import ConfigError, ShunterConfig, UsageConfig, parse_config
 from shunter.deployments.gateway import admin_routes, usage
 from shunter.deployments.gateway.access import AccessControl
-from shunter.deployments.gateway.admin_routes import parse_usage_query
 from shunter.deployments.gateway.context import RequestContext, client_gone, refused, served
-from shunter.deployments.gateway.flow_queue import FlowQueue
+from shunter.deployments.gateway.flow.queue import FlowQueue
 from shunter.deployments.gateway.forward import Forwarder
 from shunter.deployments.gateway.lora import LiveAdapters
 from shunter.deployments.gateway.parts import parts
@@ -30,6 +30,7 @@ from shunter.deployments.gateway.request_end import RequestEnd, standard_hooks
 from shunter.deployments.gateway.serving_state import ServingState
 from shunter.deployments.gateway.telemetry import RequestTelemetry
 from shunter.deployments.gateway.usage import PLATFORM_KEY, UsageWriter, record_usage, usage_record
+from shunter.deployments.gateway.usage_params import parse_usage_query
 from shunter.endpoints import CHAT, ParsedRequest
 from shunter.errors import ApiError
 from shunter.replica_protocol import AdapterRoute
@@ -51,9 +52,9 @@ def rec(i: int | str) -> UsageRecord:
 
 
 class Ledger:
-    """The UsageLedger deployment's handle, over a real store: `.record.remote(batch)` and `.query.remote(...)`
-    return awaitables. `fail`: the next calls that raise before writing; `lose_reply`: those that write, then
-    raise (the reply lost on the way back); `hang`: calls never answer."""
+    """The UsageLedger deployment's handle, over a real store: `.record.remote(batch)`, `.query.remote(...)` and
+    `.buckets.remote(...)` return awaitables. `fail`: the next calls that raise before writing; `lose_reply`:
+    those that write, then raise (the reply lost on the way back); `hang`: calls never answer."""
 
     def __init__(self, store: LedgerStore | None = None):
         self.store = store
@@ -62,6 +63,7 @@ class Ledger:
         self.hang = False
         self.record = SimpleNamespace(remote=self._record)
         self.query = SimpleNamespace(remote=self._query)
+        self.buckets = SimpleNamespace(remote=self._buckets)
 
     def _record(self, batch: list[dict[str, Any]]) -> Any:
         async def call() -> int:
@@ -85,6 +87,15 @@ class Ledger:
                 raise ConnectionError("the ledger is restarting")
             assert self.store is not None
             return self.store.query(**kwargs)
+
+        return call()
+
+    def _buckets(self, **kwargs: Any) -> Any:
+        async def call() -> list[dict[str, Any]]:
+            if self.fail:
+                raise ConnectionError("the ledger is restarting")
+            assert self.store is not None
+            return self.store.buckets(**kwargs)
 
         return call()
 
@@ -166,6 +177,85 @@ def test_past_the_bound_the_oldest_records_are_dropped_and_counted(monkeypatch):
     assert w.dropped == 3 and counted == [1, 1, 1]
     asyncio.run(w.close())
     assert ledger.batches == [["r3", "r4", "r5", "r6", "r7"]]
+
+
+def refused_rec(key: str = "k", status: str = "429", at: float = 1000.0) -> UsageRecord:
+    return UsageRecord(request_id=f"x{at}", at=at, key_name=key, key_id=f"id-{key}", model="m", adapter="",
+                       priority_class="standard", endpoint="chat", status=status, prompt_tokens=0, cached_tokens=0,
+                       completion_tokens=0, cost=None)
+
+
+class Wall:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_refusals_are_counted_per_minute_and_kind_not_sent_a_row_each(tmp_path):
+    store = LedgerStore(tmp_path / "usage.sqlite3")
+    ledger, wall = Ledger(store), Wall(1000.0)
+    w = UsageWriter(UsageConfig(flush_interval_s=60), ledger, wall=wall)
+
+    async def run() -> None:
+        for i in range(10_000):
+            w.add(refused_rec(at=1000.0 + i * 0.001))
+        for _ in range(5):
+            w.add(refused_rec(status="499", at=1010.0))
+        w.add(rec(1))
+        assert w.held == 3 and w.pending == 3, "two counters and one record, not 10,006 records"
+        assert await w.flush()
+        first = ledger.batches[-1]
+        assert first[0] == "r1" and len(first) == 3 and all(i.startswith(f"refused:{w.writer_id}:960:") for i in first[1:])
+        for _ in range(3):
+            w.add(refused_rec(at=1019.0))
+        assert await w.flush()
+        assert ledger.batches[-1] == first[1:2], "the counter again, under its id, with its count so far"
+        assert await w.flush() and len(ledger.batches) == 2, "nothing new: nothing sent"
+        wall.now = 1020.0  # the minute is over and all of it is in the ledger: forgotten
+        assert await w.flush() and w.held == 0
+        w.add(refused_rec(at=1021.0))
+        assert await w.flush()
+        assert ledger.batches[-1][0].startswith(f"refused:{w.writer_id}:1020:"), "a new minute, a new counter"
+
+    asyncio.run(run())
+    assert store.count() == 4 and sum(r["requests"] for r in store.query(group_by=())) == 10_000 + 3 + 5 + 1 + 1
+    assert {r["requests"] for r in store.query(key="k", group_by=("priority_class",))} == {10_010}
+    store.close()
+
+
+def test_a_flood_of_refusals_stays_within_the_bound(monkeypatch, tmp_path):
+    counted: list[float] = []
+    metric = SimpleNamespace(inc=lambda value, tags=None: counted.append(value))
+    monkeypatch.setattr(usage, "_record", lambda fn: fn({"shunter_usage_records_dropped_total": metric}))
+    store = LedgerStore(tmp_path / "usage.sqlite3")
+    ledger, wall = Ledger(store), Wall(1000.0)
+    w = UsageWriter(UsageConfig(flush_interval_s=60, max_buffered_records=10), ledger, wall=wall)
+
+    async def run() -> None:
+        for i in range(50_000):  # a flood from three tenants: three counters
+            w.add(refused_rec(key=f"t{i % 3}", at=1000.0 + i / 5000))
+            assert w.held <= 10
+        assert w.held == 3 and w.dropped == 0
+        assert await w.flush()
+        for minute in range(20):  # twenty minutes of it, the ledger down
+            wall.now = 1020.0 + minute * 60
+            for i in range(3000):
+                w.add(refused_rec(key=f"t{i % 3}", at=wall.now + i / 100))
+            assert w.held <= 10
+        ledger.fail = 1
+        assert not await w.flush()
+        assert await w.flush()
+
+    asyncio.run(run())
+    # 60 counters in 20 minutes, room for 10: the first three were all sent (forgotten free), then the oldest
+    # 50 go, each with its 1,000 unsent refusals.
+    assert w.dropped == sum(counted) == 50 * 1000, "the oldest minutes' unsent counts, each request counted"
+    (row,) = store.query(group_by=())
+    assert row["requests"] + w.dropped == 50_000 + 20 * 3000, "what the ledger has plus what was dropped: every refusal"
+    assert store.count() == 3 + 10, "a row per minute and kind, however many refusals"
+    store.close()
 
 
 def test_closing_hands_everything_over_and_a_silent_ledger_cannot_hold_the_stop():
@@ -426,6 +516,9 @@ def test_usage_defaults_and_pricing_are_optional():
     assert cfg.usage == UsageConfig() and cfg.usage.enabled and cfg.usage.path == "~/.shunter/usage.sqlite3"
     assert (cfg.usage.flush_interval_s, cfg.usage.max_batch_records, cfg.usage.max_buffered_records) == \
         (1.0, 500, 100_000)
+    assert (cfg.usage.retention_days, cfg.usage.max_size_mb) == (90, None)
+    kept = parse_config(_config(usage={"retention_days": None, "max_size_mb": 512})).usage
+    assert (kept.retention_days, kept.max_size_mb) == (None, 512)
     assert cfg.models[0].pricing is None
     priced = parse_config(_config(model={"pricing": {"input_per_million": 0.5, "output_per_million": 2}}))
     pricing = priced.models[0].pricing
@@ -446,7 +539,10 @@ def test_usage_settings_are_bounded():
     for usage_cfg, field in (({"flush_interval_s": 0}, "flush_interval_s"), ({"flush_interval_s": 61}, "flush_interval_s"),
                              ({"flush_interval_s": math.nan}, "flush_interval_s"), ({"max_batch_records": 0}, "max_batch_records"),
                              ({"max_buffered_records": 0}, "max_buffered_records"), ({"path": "usage.db"}, "path"),
-                             ({"path": ""}, "path"), ({"colour": 1}, "colour")):
+                             ({"path": ""}, "path"), ({"colour": 1}, "colour"),
+                             ({"retention_days": 0}, "retention_days"), ({"retention_days": -1}, "retention_days"),
+                             ({"retention_days": math.nan}, "retention_days"), ({"max_size_mb": 0}, "max_size_mb"),
+                             ({"max_size_mb": math.inf}, "max_size_mb"), ({"max_size_mb": "big"}, "max_size_mb")):
         with pytest.raises(ConfigError, match=f"usage.{field}"):
             parse_config(_config(usage=usage_cfg))
     assert parse_config(_config(usage={"enabled": False, "path": "/var/lib/shunter/u.db"})).usage.path == \

@@ -54,10 +54,11 @@ OWNERS: tuple[Owner, ...] = (
     Owner("token channel", ("/deployments/token_channel.py",)),
     Owner("gateway: telemetry and settle", tuple(f"/deployments/gateway/{m}.py" for m in (
         "telemetry", "request_end", "usage", "traffic"))),
-    Owner("gateway: door and admission", tuple(f"/deployments/gateway/{m}.py" for m in (
+    Owner("gateway: door and admission", ("/deployments/gateway/flow/",  # admission, flow_queue: older builds
+                                          *(f"/deployments/gateway/{m}.py" for m in (
         "forward", "request_body", "parsed_request", "access", "admission", "flow_queue", "priority", "quotas",
         "rate_headers", "context", "tiering", "lora", "retry_places", "replica_call", "openai_routes", "api_app",
-        "parts", "draining", "serving_state"))),
+        "parts", "draining", "serving_state")))),
     Owner("gateway: other", ("/deployments/gateway/",)),
     Owner("replica: Shunter", ("/deployments/replica/", "/shunter/engine", "/shunter/vllm_compat.py",
                                "/shunter/replica_protocol.py", "/shunter/kv_events.py")),

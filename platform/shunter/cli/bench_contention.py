@@ -17,9 +17,13 @@ core), the same engine settings on every side, every side measured in one run:
 
 The workloads, one after another on each side (after a warmup):
 1. noisy neighbour: a light tenant sends one 16-token chat every 2 s, alone and then while a flood tenant
-   keeps 64 streams of 128 tokens running (the flood alone first: its throughput with nobody else);
+   keeps 64 streams of 128 tokens running (the flood alone first, its throughput with nobody else: on
+   Shunter's sides with classes after `flow_control.headroom_hold_s` without interactive work, so the batch
+   class may fill the engine);
 2. two tenants of one class at 3:1 (132 and 44 streams of 16 tokens, equal weights, together far past what
    the engine runs at once, each more than half of it): the output tokens each was served against its weight;
+   then the same two as a flood and a light tenant (260 streams of 48 tokens past the admission bound, one
+   8-token chat every 1.5 s): is the light tenant refused, and its TTFT p99 against its own idle one;
 3. goodput at 2x overload: interactive and batch requests arriving (seeded Poisson) at twice the engine's
    capacity (the first side's flood-alone throughput); goodput = requests whose first token came within
    their class's TTFT target, per second. A request refused with `Retry-After` is sent once more after it
@@ -53,11 +57,14 @@ from pathlib import Path
 from typing import Any
 
 from shunter.cli.bench_peers import QUESTIONS
+from shunter.config.flow import FlowControlConfig
 
 CLASS_PRIORITY = {"interactive": 0, "standard": 1, "batch": 2}  # vLLM's per-request priority: lower first
 TENANTS = ("light", "flood", "tenant-a", "tenant-b")
 TENANT_CLASS = {"light": "interactive", "flood": "batch", "tenant-a": "standard", "tenant-b": "standard"}
 COOL_DOWN_S = 3.0  # after a phase hangs up, for the engine to drop what it was running
+# How long the Shunter sides hold the batch class's headroom after an interactive arrival (the default).
+HEADROOM_HOLD_S = FlowControlConfig.model_fields["headroom_hold_s"].default
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,13 @@ class Durations:
     shares_s: float = 60.0
     shares_settle_s: float = 20.0  # the slots' first occupants, in arrival order, leave by then
     goodput_s: float = 60.0
+    same_light_alone_s: float = 30.0  # the same-class light tenant alone (its idle TTFT)
+    same_class_s: float = 60.0  # then beside its class's flood
+    same_light_interval_s: float = 1.5
 
     def scaled(self, factor: float) -> Durations:
-        return replace(self, **{k: v * factor for k, v in asdict(self).items() if k != "light_interval_s"})
+        kept = ("light_interval_s", "same_light_interval_s")
+        return replace(self, **{k: v * factor for k, v in asdict(self).items() if k not in kept})
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,11 @@ class Workload:
     interactive_share: float = 0.5  # of the goodput arrivals
     interactive_tokens: int = 16
     batch_tokens: int = 128
+    # a flood and a light tenant of one class (tenant-a and tenant-b, both standard): the flood past
+    # Shunter's admission bound (64 slots + 128 queued), the light one an 8-token chat every 1.5 s
+    same_flood_streams: int = 260
+    same_flood_tokens: int = 48
+    same_light_tokens: int = 8
     target_interactive_s: float = 2.0  # goodput: TTFT targets by class
     target_batch_s: float = 30.0
     seed: int = 0
@@ -375,19 +391,28 @@ async def warmup(client: Client) -> None:
         raise RuntimeError(f"{client.side.name}: warmup failed: {failed[0].status} {failed[0].error}")
 
 
-async def noisy_neighbour(client: Client, d: Durations, w: Workload) -> dict[str, Any]:
-    light = [(t, "light", "interactive", w.light_tokens) for t in light_schedule(0.0, d.light_alone_s,
-                                                                                 d.light_interval_s)]
+async def _light_alone(client: Client, tenant: str, tokens: int, alone_s: float, interval_s: float,
+                       d: Durations) -> list[Shot]:
+    """A light tenant alone: one chat every `interval_s` for `alone_s` (its idle TTFT), then a cool-down."""
+    light = [(t, tenant, TENANT_CLASS[tenant], tokens) for t in light_schedule(0.0, alone_s, interval_s)]
     alone: list[Shot] = []
     await asyncio.gather(*open_loop(client, light, time.perf_counter(), alone, d.light_timeout_s))
     await asyncio.sleep(COOL_DOWN_S)
+    return alone
 
+
+async def noisy_neighbour(client: Client, d: Durations, w: Workload) -> dict[str, Any]:
+    # The flood alone first, once no interactive request (the warmup's) arrived within Shunter's headroom
+    # hold: alone, a class may fill the whole engine there (flow_control.headroom_hold_s).
+    await asyncio.sleep(HEADROOM_HOLD_S + COOL_DOWN_S if client.side.classes else 0)
     flood_alone: list[Shot] = []
     flood = ClosedLoop(client, ["flood"] * w.flood_streams, w.flood_tokens, time.perf_counter(), flood_alone,
                        d.settle_s)
     await asyncio.sleep(d.flood_alone_s)
     await flood.hang_up()
     await asyncio.sleep(COOL_DOWN_S)
+
+    alone = await _light_alone(client, "light", w.light_tokens, d.light_alone_s, d.light_interval_s, d)
 
     # The flood runs on until the light tenant's last request ends: its TTFT is the flood's, however long.
     flooded: list[Shot] = []
@@ -405,6 +430,26 @@ async def noisy_neighbour(client: Client, d: Durations, w: Workload) -> dict[str
     from shunter.cli.bench_contention_report import noisy_row
 
     return noisy_row(alone, under, flood_alone, flooded, d, ran_s)
+
+
+async def same_class(client: Client, d: Durations, w: Workload) -> dict[str, Any]:
+    """A light tenant beside a flood of its own class (issue 52, item 1): alone, then while the flood keeps
+    more streams open than the model admits. Fair queueing alone orders who leaves the queue; this asks
+    whether the light tenant gets into it."""
+    alone = await _light_alone(client, "tenant-b", w.same_light_tokens, d.same_light_alone_s,
+                               d.same_light_interval_s, d)
+    flooded: list[Shot] = []
+    under: list[Shot] = []
+    t0 = time.perf_counter()
+    flood = ClosedLoop(client, ["tenant-a"] * w.same_flood_streams, w.same_flood_tokens, t0, flooded, d.settle_s)
+    light = [(t, "tenant-b", TENANT_CLASS["tenant-b"], w.same_light_tokens)
+             for t in light_schedule(d.settle_s, d.same_class_s, d.same_light_interval_s)]
+    await asyncio.gather(*open_loop(client, light, t0, under, d.light_timeout_s))
+    await flood.hang_up()
+    await asyncio.sleep(COOL_DOWN_S)
+    from shunter.cli.bench_contention_report import same_class_row
+
+    return same_class_row(alone, under, flooded)
 
 
 async def shares(client: Client, d: Durations, w: Workload) -> dict[str, Any]:
@@ -447,10 +492,12 @@ async def run_side(client: Client, d: Durations, w: Workload, capacity_tok_s: fl
     print(f"  noisy neighbour done ({time.perf_counter() - started:.0f} s)", flush=True)
     share = await shares(client, d, w)
     print(f"  shares done ({time.perf_counter() - started:.0f} s)", flush=True)
+    same = await same_class(client, d, w)
+    print(f"  same class done ({time.perf_counter() - started:.0f} s)", flush=True)
     capacity = capacity_tok_s or noisy["flood_alone_tok_s"]
     good = await goodput(client, d, w, goodput_rate(capacity, w))
     print(f"  goodput done ({time.perf_counter() - started:.0f} s)", flush=True)
-    return {"side": client.side.name, "noisy": noisy, "shares": share, "goodput": good,
+    return {"side": client.side.name, "noisy": noisy, "shares": share, "same_class": same, "goodput": good,
             "capacity_tok_s": capacity, "run_s": time.perf_counter() - started}
 
 

@@ -99,6 +99,14 @@ def noisy_row(alone: list[Any], under: list[Any], flood_alone: list[Any], floode
     }
 
 
+def same_class_row(alone: list[Any], under: list[Any], flooded: list[Any]) -> dict[str, Any]:
+    """The same-class workload on one side: the light tenant alone and beside its class's flood."""
+    light_alone, light_under = ttft_stats(alone), ttft_stats(under)
+    return {"light_alone": light_alone, "light_under_flood": light_under,
+            "light_p99_ratio": ratio(light_under["ttft_p99_s"], light_alone["ttft_p99_s"]),
+            "flood": ttft_stats(flooded)}
+
+
 def served_shares(tokens: dict[str, int], weights: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Each tenant's share of the served tokens against its share of the weights (`ratio` = served / weight
     share; 1 is exact)."""
@@ -207,6 +215,14 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         flood = noisy["flood_ratio"]
         out.append(_goal("flood output tok/s: under contention / alone", name, flood, ">= 0.9",
                          None if flood is None else flood >= 0.9))
+        same = row.get("same_class")
+        if same is not None:
+            lost = same["light_under_flood"]["refused"] + same["light_under_flood"]["unanswered"]
+            out.append(_goal("same class: light requests refused or unanswered beside the flood", name, lost, "0",
+                             lost == 0))
+            p99 = same["light_p99_ratio"]
+            out.append(_goal("same class: light TTFT p99 beside the flood / alone", name, p99, "<= 2",
+                             None if p99 is None else p99 <= 2.0))
         worst = _worst_share(shares)
         out.append(_goal("same-class tenants: served share / weight share (furthest from 1)", name, worst,
                          "0.9 - 1.1", _within(worst, 0.9, 1.1)))
@@ -244,6 +260,21 @@ def noisy_table(result: dict[str, Any]) -> str:
                      f"{_s(u['ttft_p99_s'])} | {_x(n['light_p99_ratio'])} | {u['refused']} / {u['unanswered']} "
                      f"({u['sent']}) | {n['flood_alone_tok_s']:.1f} | {n['flood_tok_s']:.1f} | {_x(n['flood_ratio'])} | "
                      f"{n.get('flood_refused', 0)} |")
+    return "\n".join(lines)
+
+
+def same_class_table(result: dict[str, Any]) -> str:
+    lines = ["| side | light TTFT alone p50 / p99 s | beside its class's flood p50 / p99 s | p99 beside / alone "
+             "| light refused / unanswered (of sent) | flood answered / refused (of sent) |",
+             "|---|---|---|---|---|---|"]
+    for r in result["sides"]:
+        c = r.get("same_class")
+        if c is None:
+            continue
+        a, u, f = c["light_alone"], c["light_under_flood"], c["flood"]
+        lines.append(f"| {r['side']} | {_s(a['ttft_p50_s'])} / {_s(a['ttft_p99_s'])} | {_s(u['ttft_p50_s'])} / "
+                     f"{_s(u['ttft_p99_s'])} | {_x(c['light_p99_ratio'])} | {u['refused']} / {u['unanswered']} "
+                     f"({u['sent']}) | {f['answered']} / {f['refused']} ({f['sent']}) |")
     return "\n".join(lines)
 
 
@@ -304,6 +335,15 @@ def _settings(result: dict[str, Any]) -> str:
             f"left out of tok/s)")
 
 
+def _same_class_settings(w: dict[str, Any], d: dict[str, Any]) -> str:
+    # Runs from before the workload carry neither its fields nor its rows.
+    if "same_flood_streams" not in w:
+        return "Not in this run"
+    return (f"Both in class standard: {w['same_flood_streams']} streams of {w['same_flood_tokens']} tokens, and one "
+            f"{w['same_light_tokens']}-token chat every {d['same_light_interval_s']:g} s, {d['same_light_alone_s']:g} s "
+            f"alone, then {d['same_class_s']:g} s beside the flood")
+
+
 def report(result: dict[str, Any]) -> str:
     """Every table of a run, the machine beside each, and the goal lines."""
     w, d = result["workload"], result["durations"]
@@ -327,6 +367,12 @@ def report(result: dict[str, Any]) -> str:
 {d['shares_settle_s']:g} s. {machine}
 
 {shares_table(result)}
+
+### A light tenant beside a flood of its own class
+
+{_same_class_settings(w, d)}. {machine}
+
+{same_class_table(result)}
 
 ### Goodput at {w['overload']:g}x overload
 

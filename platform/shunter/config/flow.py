@@ -35,9 +35,10 @@ class PriorityClassConfig(StrictModel):
     )
     capacity_share: float = Field(
         default=1.0, gt=0, le=1,
-        description="The share of a model's slots (replicas x max_ongoing_requests) this class's requests may "
-        "fill together with every other's; the rest stay free for more urgent classes' arrivals. The most "
-        "urgent class must have 1; a class may not have more than a more urgent one.",
+        description="The share of what a model runs at once (replicas x max_ongoing_requests, or x "
+        "engine.max_num_seqs where fewer) this class's requests may fill together with every other's; the "
+        "rest stay free for more urgent classes' arrivals. The most urgent class must have 1; a class may "
+        "not have more than a more urgent one.",
     )
     min_share: float = Field(
         default=0.0, ge=0, le=1,
@@ -73,6 +74,23 @@ class FlowControlConfig(StrictModel):
         description="OpenAI's `service_tier` values (default, flex, scale, priority) to classes; a value not "
         "listed is a 400, and `auto` (like no tier) is always the caller's default class. A reply's "
         "`service_tier` is its class's first tier here (`default` for a class with none).",
+    )
+
+    headroom_hold_s: float | None = Field(
+        default=30.0, ge=0, le=86_400,
+        description="How long a class's capacity_share still holds after the last request of a more urgent "
+        "class arrived. Past it, with none of theirs waiting or running, the class may fill every sequence "
+        "the engines run at once (a batch alone gets the whole engine); the next urgent arrival takes the "
+        "headroom back at once, and waits at most for one running sequence to end. null = always held.",
+    )
+
+    tenant_headroom: float = Field(
+        default=0.0625, ge=0, le=0.5,
+        description="The share of a class's sequences (at least one) that one key may not fill while another "
+        "key of its class has work there or sent a request within headroom_hold_s (30 s when null): the "
+        "engine does not preempt, so a flood's running sequences, of one length, end together, and a light "
+        "key's request would wait for the whole wave. With it kept free, that request starts at once. "
+        "0 = no headroom between keys (fair queueing alone).",
     )
 
     @model_validator(mode="after")

@@ -1,7 +1,7 @@
 """`usage:` and a model's `pricing:`: the usage ledger (tokens and cost per tenant) and what a model's tokens cost.
 
-Every request that settles writes one record (key, model, adapter, priority class, endpoint, tokens, cost)
-to a durable ledger: SQLite on the Ray head node behind one Serve deployment (shunter.deployments.ledger),
+Every request that settles writes one record (key, model, adapter, priority class, endpoint, tokens, cost;
+refusals counted per minute) to a durable ledger: SQLite on the Ray head node behind one Serve deployment (shunter.deployments.ledger),
 written in batches by each gateway off the request path (shunter.deployments.gateway.usage). `pricing` is
 optional per model; without it a model's records carry tokens and no cost.
 """
@@ -38,8 +38,9 @@ class UsageConfig(StrictModel):
 
     enabled: bool = Field(
         default=True,
-        description="Record every settled request's usage in the ledger (GET /admin/usage). Off: no ledger "
-        "deployment runs and /admin/usage answers 503; the per-key usage metrics are still exported.",
+        description="Record every settled request's usage in the ledger (GET /admin/usage, and each key's own "
+        "through GET /v1/organization/usage/completions). Off: no ledger deployment runs and both answer 503; "
+        "the per-key usage metrics are still exported.",
     )
     path: str = Field(
         default=DEFAULT_LEDGER_PATH, min_length=1,
@@ -56,8 +57,24 @@ class UsageConfig(StrictModel):
         default=500, ge=1, le=100_000, description="At most this many records in one call to the ledger.")
     max_buffered_records: int = Field(
         default=100_000, ge=1, le=10_000_000,
-        description="A gateway's memory bound while the ledger is unreachable: past it the oldest buffered "
-        "records are dropped (counted in shunter_usage_records_dropped_total).",
+        description="A gateway's memory bound while the ledger is unreachable, in records and refusal counters "
+        "(a gateway counts its refusals per minute and kind instead of sending a record each): past it the "
+        "oldest are dropped (their requests counted in shunter_usage_records_dropped_total).",
+    )
+
+    retention_days: float | None = Field(
+        default=90, gt=0, le=36_500,
+        description="Rows older than this many days are deleted: when the ledger starts and then at most once "
+        "an hour. null = keep every row (the file then grows with the traffic; see max_size_mb).",
+    )
+    max_size_mb: float | None = Field(
+        default=None, gt=0, le=10_000_000,
+        description="The ledger file's bound in MiB (SQLite's max_page_count; its write-ahead log adds a few MiB "
+        "beside it). A file at the bound, or on a full disk, holds new usage in memory, summed per minute, and "
+        "writes it once the file takes writes again (retention freed rows, or disk space was freed); "
+        "shunter_usage_ledger_degraded is 1 meanwhile and queries include what is held. A stopping ledger "
+        "writes what it holds past the bound. A bound below the file's current size is that size. null = the "
+        "disk's size.",
     )
 
     @field_validator("path")

@@ -24,6 +24,17 @@ With priority classes (`flow_control`), the bound is counted per class: the requ
 more urgent ones count against it, so a backlog of batch work never turns an interactive request away, and
 the wait a request is expected to have is that of its class's place in the flow queue.
 
+Within a class, the bound is shared by its tenants (issue 52, item 1): fair queueing orders who leaves the
+queue, but with one count per class a flood of one tenant filled the bound and a light tenant of the same
+class was turned away at the door (1 to 8 of 13 requests refused beside a 260-stream flood). So each tenant
+of a class has a part of the room its class has (the bound less what the more urgent classes hold), by its
+weight among the tenants with admitted work there: a tenant within its part is admitted even when the
+class's count is full (its request then waits by its own place in the fair queue, `slots_needed`, which is
+near the head for a tenant that sent little), and the tenants past theirs are the ones refused. A full
+class takes at most its tenants' parts beyond the bound (at least one request each), and a tenant alone
+has the whole room, as before. A refused tenant's Retry-After is its own queue over its own drain rate:
+its requests leave at its share's pace, not the class's.
+
 A refused request's Retry-After is kept (`retry_places`): the refusal keeps it a place in its class's line,
 due when the slots ahead of it will have freed, and its retry takes it. The slots free for a class at the
 rate its own and the less urgent classes' requests finish: a batch request does not get the slots an
@@ -37,12 +48,30 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
-from shunter.deployments.gateway.retry_places import RetryPlaces
+from shunter.deployments.gateway.flow.retry_places import RetryPlaces
 
 DEFAULT_RETRY_AFTER_S = 5
 MAX_RETRY_AFTER_S = 60
 MIN_FINISHES_FOR_RATE = 8  # finishes in the window before the wait bound trusts the rate
+
+
+@dataclass(frozen=True)
+class Asker:
+    """Whose request is at the door: its tenant (the key's name) and the tenant's `share` of its class (the
+    key's weight), and how many of the tenant's requests of the class already wait in the flow queue."""
+
+    tenant: str = ""
+    share: float = 1.0
+    own_waiting: int = 0
+
+
+@dataclass
+class _Tenant:
+    share: float
+    admitted: int = 0
+    finished: deque[float] = field(default_factory=deque)
 
 
 class AdmissionGate:
@@ -52,6 +81,7 @@ class AdmissionGate:
         self.clock = clock
         self._by_rank: dict[int, int] = {}  # priority class rank -> admitted and not yet finished
         self._finished: dict[int, deque[float]] = {}  # priority class rank -> when its recent requests finished
+        self._tenants: dict[int, dict[str, _Tenant]] = {}  # per class rank: tenants admitted or finished of late
         self.places = RetryPlaces(clock, per_owner=max(1, max_queued))
 
     @property
@@ -67,8 +97,33 @@ class AdmissionGate:
         """Admitted requests not yet finished of the classes less urgent than `rank`."""
         return sum(n for r, n in self._by_rank.items() if r > rank)
 
+    def fair_part(self, capacity: int, rank: int, asker: Asker) -> float:
+        """The part of its class's room (the bound less what the more urgent classes hold) that `asker`'s
+        tenant may fill whatever the others do: its share over the shares of the tenants with admitted work
+        in the class, itself included."""
+        room = max(0, capacity) + self.max_queued - sum(n for r, n in self._by_rank.items() if r < rank)
+        tenants = self._tenants.get(rank, {})
+        total = asker.share + sum(t.share for name, t in tenants.items() if name != asker.tenant and t.admitted)
+        return max(0.0, room) * asker.share / total
+
+    def within_part(self, capacity: int, rank: int, asker: Asker | None, weight: int = 1) -> bool:
+        """Whether `asker`'s tenant, with this request of `weight`, stays within its fair part while other
+        tenants of its class hold admitted work (one request at least, where its class has room: a tenant
+        with nothing admitted always gets one in). A tenant alone in its class is held to the class's count,
+        the places kept for its own refused requests included, as before there were parts."""
+        if asker is None:
+            return False
+        tenants = self._tenants.get(rank, {})
+        if not any(t.admitted for name, t in tenants.items() if name != asker.tenant):
+            return False
+        part = self.fair_part(capacity, rank, asker)
+        tenant = tenants.get(asker.tenant)
+        admitted = tenant.admitted if tenant is not None else 0
+        return part > 0 and (admitted == 0 or admitted + weight <= part)
+
     def try_admit(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1, rank: int = 0,
-                  slots_needed: int | None = None, retry_key: tuple[Hashable, Hashable] | None = None) -> int | None:
+                  slots_needed: int | None = None, retry_key: tuple[Hashable, Hashable] | None = None,
+                  asker: Asker | None = None) -> int | None:
         """Admit one request (None), or refuse it: the seconds a client should wait before retrying. It is
         refused past the count bound (its class's and the more urgent classes' requests count, and the
         places kept for their refused requests), and when it would wait for a slot longer than `max_wait_s`
@@ -81,22 +136,32 @@ class AdmissionGate:
 
         `weight`: the engine requests it makes (a batch of embedding inputs or completion prompts, times
         `n`): it counts as that many (`admitted_weight` says how many it took; release that many). A batch
-        larger than the whole bound counts as the whole bound, so an idle model still takes it, alone."""
+        larger than the whole bound counts as the whole bound, so an idle model still takes it, alone.
+
+        `asker`: whose request it is (see the module docstring: a tenant within its fair part of its class
+        is admitted past the class's count, `slots_needed` being its own place in the fair queue; refused,
+        a tenant is told its own queue over its own drain rate)."""
         weight = self.admitted_weight(capacity, weight)
         needed = self._needed(capacity, rank, slots_needed)
         # A place not yet due is no one's yet: the same body may well be another request (a tenant sending
         # one prompt many times), so only a due place is taken, and an early request is a new one.
         place = self.places.find(retry_key, rank) if retry_key is not None else None
         due = place is not None and self.places.is_due(place)
-        if not due and self._over(capacity, max_wait_s, weight, rank, slots_needed, needed):
-            return self.retry_after_s(needed, rank, retry_key, weight)
+        within = self.within_part(capacity, rank, asker, weight)
+        if not due and self._over(capacity, max_wait_s, weight, rank, slots_needed, needed, within):
+            return self.retry_after_s(needed, rank, retry_key, weight, None if within else asker)
         if due:
             self.places.take(place)
         self._by_rank[rank] = self._by_rank.get(rank, 0) + weight
+        if asker is not None:
+            tenant = self._tenants.setdefault(rank, {}).setdefault(asker.tenant, _Tenant(asker.share))
+            tenant.admitted += weight
+            tenant.share = asker.share
         return None
 
     def refuses(self, capacity: int, max_wait_s: float = math.inf, weight: int = 1, rank: int = 0,
-                slots_needed: int | None = None, retry_key: tuple[Hashable, Hashable] | None = None) -> bool:
+                slots_needed: int | None = None, retry_key: tuple[Hashable, Hashable] | None = None,
+                asker: Asker | None = None) -> bool:
         """Whether `try_admit` with the same arguments would refuse; changes nothing (the door asks before
         it parses a body: a full model's refusal costs no parsing)."""
         place = self.places.find(retry_key, rank) if retry_key is not None else None
@@ -104,13 +169,18 @@ class AdmissionGate:
             return False
         weight = self.admitted_weight(capacity, weight)
         return self._over(capacity, max_wait_s, weight, rank, slots_needed,
-                          self._needed(capacity, rank, slots_needed))
+                          self._needed(capacity, rank, slots_needed), self.within_part(capacity, rank, asker, weight))
 
     def _over(self, capacity: int, max_wait_s: float, weight: int, rank: int, slots_needed: int | None,
-              needed: int) -> bool:
+              needed: int, within_part: bool = False) -> bool:
         """Past the count bound (places kept for refused requests count while it would have to wait), or
-        expected to wait longer than `max_wait_s`."""
+        expected to wait longer than `max_wait_s`. A tenant within its fair part is held to the wait only:
+        its own place in the fair queue (`slots_needed`), where the places kept for others' retries are
+        not ahead of it (a retry takes its tenant's place in the fair queue, behind a lighter tenant's)."""
         bound = max(0, capacity) + self.max_queued
+        if within_part:
+            wait = self.expected_wait_s(capacity, rank, slots_needed, count_places=False)
+            return wait is not None and wait > max_wait_s
         if needed <= 0:
             return self.admitted_through(rank) + weight > bound
         kept = self.places.kept_through(rank)
@@ -121,7 +191,8 @@ class AdmissionGate:
         """What a request of `weight` engine requests counts for at this gate (at least 1, at most the bound)."""
         return max(1, min(weight, max(0, capacity) + self.max_queued))
 
-    def expected_wait_s(self, capacity: int, rank: int = 0, slots_needed: int | None = None) -> float | None:
+    def expected_wait_s(self, capacity: int, rank: int = 0, slots_needed: int | None = None,
+                        count_places: bool = True) -> float | None:
         """How long a request admitted now would wait for a slot: 0 while there is room, else the slots that
         must free first (places kept for refused requests of its class and the more urgent ones included)
         over the rate they free for its class; None while too few of its class and the less urgent ones
@@ -131,16 +202,23 @@ class AdmissionGate:
         if needed <= 0:
             return 0.0
         rate = self._rate(rank, fallback=False)
-        return None if rate is None else (needed + self.places.kept_through(rank)) / rate
+        kept = self.places.kept_through(rank) if count_places else 0
+        return None if rate is None else (needed + kept) / rate
 
-    def release(self, weight: int = 1, rank: int = 0) -> None:
-        """An admitted request finished, however it ended (`weight`: what it was admitted as)."""
+    def release(self, weight: int = 1, rank: int = 0, tenant: str | None = None) -> None:
+        """An admitted request finished, however it ended (`weight`: what it was admitted as; `tenant`:
+        whose, where it was admitted with an `Asker`)."""
         left = self._by_rank.get(rank, 0) - weight
         if left > 0:
             self._by_rank[rank] = left
         else:
             self._by_rank.pop(rank, None)
-        self._finished.setdefault(rank, deque()).extend([self.clock()] * weight)
+        now = self.clock()
+        self._finished.setdefault(rank, deque()).extend([now] * weight)
+        known = self._tenants.get(rank, {}).get(tenant) if tenant is not None else None
+        if known is not None:
+            known.admitted = max(0, known.admitted - weight)
+            known.finished.extend([now] * weight)
         self._expire()
 
     def queued(self, capacity: int, rank: int | None = None) -> int:
@@ -155,16 +233,22 @@ class AdmissionGate:
         return sum(len(f) for f in self._finished.values()) / self.window_s
 
     def retry_after_s(self, slots_needed: int, rank: int = 0, retry_key: tuple[Hashable, Hashable] | None = None,
-                      weight: int = 1) -> int:
+                      weight: int = 1, asker: Asker | None = None) -> int:
         """When a refused request should come back: the time the slots ahead of it (places kept for earlier
         refusals included) take to free at the rate they free for its class (a default until enough requests
-        finished to tell), at least a second. With a `retry_key`, a place is kept for it, due then."""
-        rate = self._rate(rank)
-        if rate is None:
-            rate = self.finish_rate()
-        if rate <= 0:
-            return DEFAULT_RETRY_AFTER_S
-        ahead = max(1, slots_needed) + self.places.kept_through(rank)
+        finished to tell), at least a second. With an `asker` (a tenant refused past its fair part) whose
+        tenant has a drain rate of its own, its own waiting requests over that rate: the fair queue lets them
+        go at its share's pace. With a `retry_key`, a place is kept for it, due then."""
+        own = self._tenant_rate(rank, asker)
+        if own is not None and asker is not None:
+            ahead, rate = float(asker.own_waiting + weight), own
+        else:
+            rate = self._rate(rank)
+            if rate is None:
+                rate = self.finish_rate()
+            if rate <= 0:
+                return DEFAULT_RETRY_AFTER_S
+            ahead = max(1, slots_needed) + self.places.kept_through(rank)
         wait = math.ceil(ahead / rate)
         if wait > MAX_RETRY_AFTER_S:
             return MAX_RETRY_AFTER_S  # no place: "not before", nothing promised
@@ -189,8 +273,28 @@ class AdmissionGate:
                 return count / span
         return None
 
+    def _tenant_rate(self, rank: int, asker: Asker | None) -> float | None:
+        """Requests of `asker`'s tenant in class `rank` finished per second of late; None while too few."""
+        tenant = self._tenants.get(rank, {}).get(asker.tenant) if asker is not None else None
+        if tenant is None:
+            return None
+        self._expire()
+        if len(tenant.finished) < MIN_FINISHES_FOR_RATE:
+            return None
+        return len(tenant.finished) / max(1.0, self.clock() - tenant.finished[0])
+
     def _expire(self) -> None:
         horizon = self.clock() - self.window_s
         for finished in self._finished.values():
             while finished and finished[0] < horizon:
                 finished.popleft()
+        for tenants in self._tenants.values():
+            for name in [n for n, t in tenants.items() if self._expired(t, horizon)]:
+                del tenants[name]
+
+    @staticmethod
+    def _expired(tenant: _Tenant, horizon: float) -> bool:
+        """Drops a tenant's finishes past the window; true once it has nothing admitted and none left."""
+        while tenant.finished and tenant.finished[0] < horizon:
+            tenant.finished.popleft()
+        return not tenant.admitted and not tenant.finished
