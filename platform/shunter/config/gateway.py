@@ -77,8 +77,9 @@ class GatewayConfig(StrictModel):
     )
     max_body_reads: int = Field(
         default=64, ge=1,
-        description="Slow request bodies (still arriving after half a second) one gateway replica reads at "
-        "once; past it such a request gets 503 `too_many_uploads` at once. Bodies that arrive whole take "
+        description="Slow request bodies (still arriving after half a second in which the gateway's loop kept "
+        "time) one gateway replica reads at once; past it such a request gets 503 `too_many_uploads` at "
+        "once. Bodies that arrive whole take "
         "microseconds; slow uploads cannot hold more than this many of the replica's "
         "`max_ongoing_requests` slots.",
     )
