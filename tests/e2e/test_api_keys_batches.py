@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def _answers_as_interactive(answers: dict[int, str], interactive: dict[str, str]
     exact = 0
     for i, answer in answers.items():
         expected = interactive[QUESTIONS[i % len(QUESTIONS)]]
-        assert answer.split()[:1] == expected.split()[:1], (i, answer, expected)
+        assert re.findall(r"\w+", answer)[:1] == re.findall(r"\w+", expected)[:1], (i, answer, expected)
         exact += answer == expected
     assert exact >= 0.9 * len(answers), (exact, len(answers))
 
